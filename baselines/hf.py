@@ -1,0 +1,111 @@
+"""`hf` and `hf-eager`: transformers as a stack. The trainer is a padded `Qwen3(Moe)ForCausalLM`
+forward; the rollout is `generate` with its KV cache. Weights are the reference model's, bit for bit.
+
+transformers has no continuous batching: requests that arrive at the same engine step run as one
+static, left-padded `generate` batch. Paged-cache options (page size, chunked prefill, permuted
+block tables) do not exist there, so the stack declines them. Sampling uses torch's global RNG,
+seeded from the first request of the batch, as an HF-based rollout would.
+"""
+
+from __future__ import annotations
+
+from itertools import groupby
+
+import torch
+import torch.nn.functional as F
+
+from logdiff.engine import RolloutOutput
+from logdiff.stacks import EngineOptions, Stack, Unsupported
+
+
+def build_hf_model(spec, dtype: torch.dtype, attention: str, experts: str | None = None):
+    """A transformers model from the spec's config, holding exactly the reference weights."""
+    import transformers
+
+    config = spec.config()
+    hf_config = transformers.AutoConfig.for_model(**config.to_hf_dict())
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    model.load_state_dict(spec.build(torch.float32).state_dict(), strict=True)
+    model = model.to(dtype).eval().requires_grad_(False)
+    model.set_attn_implementation(attention)
+    if experts and config.is_moe:
+        model.set_experts_implementation(experts)
+    return model
+
+
+class HFStack(Stack):
+    def __init__(self, spec, dtype, max_model_len, attention: str = "sdpa", experts: str | None = None):
+        self.model = build_hf_model(spec, dtype, attention, experts)
+        self.attention = attention
+        self.experts = experts
+
+    def describe(self) -> dict:
+        import transformers
+
+        info = super().describe()
+        info["versions"]["transformers"] = transformers.__version__
+        info["attn_implementation"] = self.attention
+        info["experts_implementation"] = self.experts or "default"
+        return info
+
+    def trainer_logprobs(self, sequences, score_from, temperatures, grad=False):
+        width = max(len(s) for s in sequences)
+        ids = torch.zeros(len(sequences), width, dtype=torch.long)
+        mask = torch.zeros(len(sequences), width, dtype=torch.long)
+        for i, s in enumerate(sequences):
+            ids[i, : len(s)] = torch.tensor(s)
+            mask[i, : len(s)] = 1
+        with torch.set_grad_enabled(grad):
+            logits = self.model(input_ids=ids, attention_mask=mask).logits
+            out = []
+            for i, (s, first, temp) in enumerate(zip(sequences, score_from, temperatures)):
+                rows = logits[i, first - 1 : len(s) - 1].float() / (temp if temp > 0 else 1.0)
+                target = torch.tensor(s[first:])
+                out.append(F.log_softmax(rows, dim=-1).gather(1, target[:, None]).squeeze(1))
+        return out
+
+    @torch.no_grad()
+    def rollout(self, requests, options: EngineOptions = EngineOptions()):
+        if options != EngineOptions(page_size=options.page_size):
+            raise Unsupported("transformers generate has no chunked prefill or block tables")
+        outputs: dict[int, RolloutOutput] = {}
+        indexed = sorted(enumerate(requests), key=lambda ir: ir[1].arrival)
+        for _, group in groupby(indexed, key=lambda ir: ir[1].arrival):
+            group = list(group)
+            for (i, _), out in zip(group, self._generate([r for _, r in group])):
+                outputs[i] = out
+        return [outputs[i] for i in range(len(requests))]
+
+    def _generate(self, requests) -> list[RolloutOutput]:
+        if len({(r.max_new_tokens, r.temperature) for r in requests}) > 1:
+            raise Unsupported("one generate call needs one max_new_tokens and temperature per batch")
+        width = max(len(r.prompt) for r in requests)
+        ids = torch.zeros(len(requests), width, dtype=torch.long)
+        mask = torch.zeros(len(requests), width, dtype=torch.long)
+        for i, r in enumerate(requests):
+            ids[i, width - len(r.prompt) :] = torch.tensor(r.prompt)
+            mask[i, width - len(r.prompt) :] = 1
+        first = requests[0]
+        sampling = dict(do_sample=False)
+        if first.temperature > 0:
+            torch.manual_seed(first.seed)
+            sampling = dict(do_sample=True, temperature=first.temperature, top_k=0, top_p=1.0)
+        gen = self.model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=first.max_new_tokens, min_new_tokens=first.max_new_tokens,
+            output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None, **sampling,
+        )
+        tokens = gen.sequences[:, width:]
+        temp = first.temperature if first.temperature > 0 else 1.0
+        logits = torch.stack(gen.logits, dim=1).float() / temp  # raw logits, before any processor
+        logp = F.log_softmax(logits, dim=-1).gather(2, tokens[..., None]).squeeze(2)
+        return [RolloutOutput(t.tolist(), lp.clone()) for t, lp in zip(tokens, logp)]
+
+
+def hf_stack(spec, dtype, max_model_len):
+    """transformers forward (trainer) + generate with KV cache (rollout), sdpa attention"""
+    return HFStack(spec, dtype, max_model_len, attention="sdpa")
+
+
+def hf_eager_stack(spec, dtype, max_model_len):
+    """transformers forward + generate, eager attention and eager (per-expert loop) MoE experts"""
+    return HFStack(spec, dtype, max_model_len, attention="eager", experts="eager")

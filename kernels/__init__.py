@@ -1,0 +1,35 @@
+"""The reference aligned kernels: the four alignments on, every op batch-invariant."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from logdiff.kernels.activation import silu_mul
+from logdiff.kernels.attention import Alignments, rollout_attention, train_attention
+from logdiff.kernels.linear import linear, plain_linear
+from logdiff.kernels.logsoftmax import token_logprobs
+from logdiff.kernels.moe import combine, route, run_experts
+from logdiff.kernels.norm import rms_norm
+from logdiff.kernels.sampling import sample
+from logdiff.kernelset import KernelSet
+
+__all__ = ["Alignments", "reference_kernels"]
+
+
+def reference_kernels(align: Alignments = Alignments(), name: str = "reference") -> KernelSet:
+    # `order` also covers the GEMMs: a reduction may not depend on how many rows share the call.
+    gemm = linear if align.order else plain_linear
+
+    return KernelSet(
+        name=name,
+        linear=gemm,
+        rms_norm=rms_norm,
+        act=silu_mul,
+        train_attention=partial(train_attention, align=align),
+        rollout_attention=partial(rollout_attention, align=align),
+        route=route,
+        experts=partial(run_experts, linear=gemm, act=silu_mul),
+        combine=combine,
+        token_logprobs=token_logprobs,
+        sample=sample,
+    )

@@ -1,0 +1,217 @@
+"""Causal GQA attention for the trainer, the rollout prefill and the rollout decode, as ONE block loop.
+
+Every path lays its queries out as rows [kv_head, sequence, row, head_dim] and its keys as cache
+slots, then calls `_attend`: an online softmax over KV blocks of `KV_BLOCK` positions counted from
+each sequence's position 0 (running max, rescale, running sum, fp32 accumulators). A query therefore
+meets the same blocks, in the same order, with the same arithmetic, whether the trainer scores the
+whole sequence at once or the rollout engine decodes it one token at a time against a paged cache.
+
+The four alignments of the Ascend method are the fields of `Alignments`; each is read in one place:
+  mask      `train_attention`: the trainer covers each sequence's own positions and selects -inf for
+            masked scores. Off: sequences are left-padded into one buffer with an additive mask
+            (mask x -3e38), so KV blocks start at the buffer's position 0, not the sequence's.
+  order     `decode_attention`: one pass over the whole KV range. Off: decode splits the KV range into
+            a batch- and length-dependent number of partitions merged by log-sum-exp (flash-decoding).
+  blocks    `_rollout_block`: the rollout merges blocks of KV_BLOCK like the trainer. Off: blocks of 64.
+  precision `_rollout_p_dtype`: P stays fp32 before P.V on both sides. Off: the rollout rounds P to the
+            model dtype first, as inference kernels that feed P to a low-precision GEMM do.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from logdiff.batch import SeqBatch
+from logdiff.kernels.linear import MIN_ROWS
+
+KV_BLOCK = 128  # the Ascend kernels' KV block
+UNALIGNED_ROLLOUT_BLOCK = 64
+ADDITIVE_MASK = -3e38
+FLASH_DECODING_WORKERS = 16  # split-KV fills this many (sequence, kv-head) workers
+
+
+@dataclass(frozen=True)
+class Alignments:
+    mask: bool = True
+    order: bool = True
+    blocks: bool = True
+    precision: bool = True
+
+
+# --------------------------------------------------------------------------- the block loop
+
+
+def _attend(q, q_pos, k, v, slots, *, block, splits=1, additive_mask=False, key_start=None, p_dtype=None):
+    """Attention of query rows over cache slots.
+
+    q      [Hkv, S, M, d] fp32, already scaled; rows of one sequence are ordered by position
+    q_pos  [S, M] position of each row
+    k, v   [Hkv, num_slots, d] keys/values in the model dtype
+    slots  [S, L] slot of each key position 0..L-1 (L a multiple of `block`)
+    """
+    num_blocks = slots.shape[1] // block
+    bounds = [round(i * num_blocks / splits) for i in range(splits + 1)]
+    parts = [
+        _online_softmax(q, q_pos, k, v, slots, range(lo, hi), block, additive_mask, key_start, p_dtype)
+        for lo, hi in zip(bounds, bounds[1:])
+    ]
+    if len(parts) == 1:
+        m, l, acc = parts[0]
+        return acc / l[..., None]
+    m_all = torch.stack([m for m, _, _ in parts]).amax(0)
+    m_ref = torch.where(m_all == -math.inf, 0.0, m_all)
+    scale = [torch.exp(m - m_ref) for m, _, _ in parts]
+    l_all = sum(l * s for (_, l, _), s in zip(parts, scale))
+    acc_all = sum(acc * s[..., None] for (_, _, acc), s in zip(parts, scale))
+    return acc_all / l_all[..., None]
+
+
+def _online_softmax(q, q_pos, k, v, slots, block_ids, block, additive_mask, key_start, p_dtype):
+    m = q.new_full(q.shape[:-1], -math.inf)
+    l = q.new_zeros(q.shape[:-1])
+    acc = torch.zeros_like(q)
+    # Rows whose position precedes a block take no part in it: a fully masked block would leave
+    # their state bit-for-bit unchanged, so skipping it is exact. Rows stay in position order, so
+    # the rows a block still needs are a suffix; keep at least MIN_ROWS so the GEMMs stay invariant.
+    done_m, done_l, done_acc = [], [], []
+    first = 0
+    for j in block_ids:
+        keys = torch.arange(j * block, (j + 1) * block)
+        needed = min(int((q_pos < j * block).sum(1).min()), q.shape[2] - MIN_ROWS)
+        if needed > first:
+            cut = needed - first
+            done_m.append(m[..., :cut]), done_l.append(l[..., :cut]), done_acc.append(acc[..., :cut, :])
+            m, l, acc = m[..., cut:], l[..., cut:], acc[..., cut:, :]
+            first = needed
+        block_slots = slots[:, j * block : (j + 1) * block]
+        kb = k[:, block_slots].float()  # [Hkv, S, block, d]
+        vb = v[:, block_slots].float()
+        s = q[:, :, first:] @ kb.transpose(-1, -2)  # [Hkv, S, rows, block]
+        valid = keys <= q_pos[:, first:, None]  # [S, rows, block]
+        if key_start is not None:
+            valid = valid & (keys >= key_start[:, None, None])
+        if additive_mask:
+            s = s + (~valid) * ADDITIVE_MASK
+        else:
+            s = s.masked_fill(~valid, -math.inf)
+        m_new = torch.maximum(m, s.amax(-1)).detach()  # a shift, not a function of the scores
+        # exp(-inf - m_ref) is exactly 0, so selected-out scores contribute nothing; m_ref keeps
+        # rows that have seen no valid key yet (split-KV partitions) from computing -inf - -inf.
+        m_ref = torch.where(m_new == -math.inf, 0.0, m_new)
+        p = torch.exp(s - m_ref[..., None])
+        alpha = torch.exp(m - m_ref)
+        l = l * alpha + p.sum(-1)
+        if p_dtype is not None:
+            p = p.to(p_dtype).float()
+        acc = acc * alpha[..., None] + p @ vb
+        m = m_new
+    if done_m:
+        m = torch.cat(done_m + [m], dim=-1)
+        l = torch.cat(done_l + [l], dim=-1)
+        acc = torch.cat(done_acc + [acc], dim=-2)
+    return m, l, acc
+
+
+# --------------------------------------------------------------------------- the three paths
+
+
+def train_attention(q, k, v, seqs: SeqBatch, align: Alignments, block: int = KV_BLOCK) -> torch.Tensor:
+    """Teacher-forced attention of whole sequences over themselves: q [N, Hq, d], k/v [N, Hkv, d] packed."""
+    left_padded = not align.mask
+    index = seqs.padded_index(left=left_padded)
+    buffer_len = index.shape[1]
+    # In the buffer, row t is position t (right-padded) or position t - pad (left-padded).
+    q_pos = torch.arange(buffer_len).expand(seqs.num_seqs, buffer_len)
+    key_start = (buffer_len - seqs.lengths) if left_padded else None
+    slots = _pad_to_blocks(index, block, fill=seqs.num_tokens)
+    rows, row_pos = _query_rows(q, index, q_pos, k.shape[1])
+    out = _attend(
+        rows, row_pos, _slot_major(k), _slot_major(v), slots,
+        block=block, additive_mask=not align.mask, key_start=key_start,
+    )
+    return _unpack_rows(out, index, q)
+
+
+def prefill_attention(q, k_cache, v_cache, seqs: SeqBatch, slots, align: Alignments, block=None) -> torch.Tensor:
+    """Prompt (or prompt chunk) tokens against the paged cache that already holds their keys."""
+    return _rollout(q, k_cache, v_cache, seqs, slots, align, block or _rollout_block(align), splits=1)
+
+
+def decode_attention(q, k_cache, v_cache, seqs: SeqBatch, slots, align: Alignments, block=None) -> torch.Tensor:
+    """One new token per sequence against the paged cache."""
+    block = block or _rollout_block(align)
+    splits = 1
+    if not align.order:
+        num_blocks = -(-slots.shape[1] // block)
+        splits = max(1, min(num_blocks, FLASH_DECODING_WORKERS // (seqs.num_seqs * k_cache.shape[0])))
+    return _rollout(q, k_cache, v_cache, seqs, slots, align, block, splits)
+
+
+def rollout_attention(q, k_cache, v_cache, seqs: SeqBatch, slots, align: Alignments, block=None) -> torch.Tensor:
+    path = decode_attention if seqs.is_decode else prefill_attention
+    return path(q, k_cache, v_cache, seqs, slots, align, block)
+
+
+def _rollout(q, k_cache, v_cache, seqs, slots, align, block, splits):
+    index = seqs.padded_index()
+    q_pos = seqs.starts[:, None] + torch.arange(index.shape[1])
+    rows, row_pos = _query_rows(q, index, q_pos, k_cache.shape[0])
+    out = _attend(
+        rows, row_pos, k_cache, v_cache, _pad_to_blocks(slots, block, fill=0),
+        block=block, splits=splits, p_dtype=_rollout_p_dtype(align, q.dtype),
+    )
+    return _unpack_rows(out, index, q)
+
+
+def _rollout_block(align: Alignments) -> int:
+    return KV_BLOCK if align.blocks else UNALIGNED_ROLLOUT_BLOCK
+
+
+def _rollout_p_dtype(align: Alignments, model_dtype):
+    return None if align.precision else model_dtype
+
+
+# --------------------------------------------------------------------------- layout helpers
+
+
+def _slot_major(x):
+    """Packed [N, H, d] -> [H, N + 1, d]: slot N is a zero key for padding positions."""
+    return F.pad(x, (0, 0, 0, 0, 0, 1)).transpose(0, 1).contiguous()
+
+
+def _pad_to_blocks(slots, block, fill):
+    return F.pad(slots, (0, -slots.shape[1] % block), value=fill)
+
+
+def _query_rows(q, index, q_pos, num_kv_heads):
+    """Packed q [N, Hq, d] -> scaled fp32 rows [Hkv, S, T*g (>= MIN_ROWS), d] and their positions [S, rows].
+
+    A sequence's rows run position-major (all query heads of a KV head for position t, then t+1).
+    """
+    num_seqs, width = index.shape
+    heads, head_dim = q.shape[1], q.shape[2]
+    group = heads // num_kv_heads
+    padded = F.pad(q, (0, 0, 0, 0, 0, 1))[index]  # [S, T, Hq, d]
+    rows = padded.view(num_seqs, width, num_kv_heads, group, head_dim).permute(2, 0, 1, 3, 4)
+    rows = rows.reshape(num_kv_heads, num_seqs, width * group, head_dim).float() * head_dim**-0.5
+    row_pos = q_pos.repeat_interleave(group, dim=1)
+    short = MIN_ROWS - rows.shape[2]
+    if short > 0:
+        rows = F.pad(rows, (0, 0, 0, short))
+        row_pos = torch.cat([row_pos, row_pos[:, -1:].expand(num_seqs, short)], dim=1)
+    return rows, row_pos
+
+
+def _unpack_rows(out, index, q):
+    """Rows [Hkv, S, rows, d] fp32 -> packed [N, Hq, d] in q's dtype."""
+    num_seqs, width = index.shape
+    num_kv_heads, head_dim = out.shape[0], out.shape[-1]
+    group = q.shape[1] // num_kv_heads
+    out = out[:, :, : width * group].reshape(num_kv_heads, num_seqs, width, group, head_dim)
+    out = out.permute(1, 2, 0, 3, 4).reshape(num_seqs * width, q.shape[1], head_dim)
+    real = (index.flatten() < q.shape[0]).nonzero().squeeze(1)
+    return out[real].to(q.dtype)

@@ -1,0 +1,25 @@
+"""Rotary position embedding with fp32 cos/sin looked up by absolute position.
+
+The table is computed once per model, so a token's rotation depends on its position only, not on
+which positions share the call (the trainer rotates all positions at once, decode one at a time).
+"""
+
+import torch
+
+
+class RotaryTable:
+    def __init__(self, head_dim: int, theta: float, max_positions: int):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = angles.cos(), angles.sin()
+        self.max_positions = max_positions
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [N, heads, head_dim] rotated by `positions` [N]; fp32 arithmetic, rounded once."""
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        x32 = x.float()
+        half = x32.shape[-1] // 2
+        rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
+        return (x32 * cos + rotated * sin).to(x.dtype)

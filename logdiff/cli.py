@@ -1,0 +1,213 @@
+"""`logdiff` command line. User mistakes end in one line on stderr and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from logdiff import report, stacks
+from logdiff.config import NAMED_CONFIGS
+from logdiff.errors import UserError
+from logdiff.workload import DEFAULT_PROMPT_LENS, Workload
+
+DEFAULT_STACKS = ("reference", "baseline")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UserError(f"{message}; see `{self.prog} --help`")
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 16,130") from None
+    if not values:
+        raise argparse.ArgumentTypeError("empty list; pass e.g. 16,130")
+    return values
+
+
+def add_workload_args(p: argparse.ArgumentParser, stacks_default=DEFAULT_STACKS) -> None:
+    d = Workload()
+    p.add_argument("--stack", action="append", dest="stacks", metavar="NAME",
+                   help=f"stack to test, repeatable: built-in, module:attr or entry point (default: {', '.join(stacks_default)})")
+    p.add_argument("--model", default=d.model, help=f"named config or checkpoint directory (default {d.model})")
+    p.add_argument("--dtype", default=d.dtype, help="fp32, bf16 or fp16 (default fp32)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"requests (default {d.batch_size})")
+    p.add_argument("--prompt-lens", type=_int_list, default=DEFAULT_PROMPT_LENS,
+                   help="prompt length per request, cycled to the batch size (default %s)" % ",".join(map(str, DEFAULT_PROMPT_LENS)))
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help=f"tokens per response (default {d.max_new_tokens})")
+    p.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature, 0 = greedy (default 0)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of weights, prompts and sampling (default 0)")
+    p.add_argument("--block-size", type=int, default=d.block_size, help=f"KV cache page size (default {d.block_size})")
+    p.add_argument("--stagger", type=int, default=d.stagger,
+                   help=f"request i joins the running batch at engine step i*K (default {d.stagger}; 0 = all at once)")
+    p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill forward (default: whole prompt)")
+    p.set_defaults(stacks_default=stacks_default)
+
+
+def workload_from_args(args) -> Workload:
+    w = Workload(
+        model=args.model, dtype=args.dtype, batch_size=args.batch_size, prompt_lens=args.prompt_lens,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+        block_size=args.block_size, stagger=args.stagger, prefill_chunk=args.prefill_chunk,
+    )
+    w.validate()
+    return w
+
+
+def stack_names(args) -> list[str]:
+    names = args.stacks or list(args.stacks_default)
+    for name in names:
+        stacks.resolve(name)
+    return names
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- run
+
+
+def _add_run(sub) -> None:
+    p = sub.add_parser("run", help="run a workload through stacks and compare rollout vs trainer log-probs bitwise")
+    add_workload_args(p)
+    p.add_argument("--json", metavar="PATH", help="write the JSON result envelope here")
+    p.add_argument("--dump", metavar="DIR", help="write tokens and both log-prob tensors per stack (safetensors)")
+    p.set_defaults(func=cmd_run)
+
+
+def cmd_run(args) -> int:
+    from logdiff.runner import run_stack
+
+    workload = workload_from_args(args)
+    names = stack_names(args)
+    if args.json:
+        report.check_writable(args.json)
+    dump = _dump_dir(args.dump) if args.dump else None
+    print(f"logdiff {workload.model} {workload.dtype}: {workload.batch_size} requests, prompts "
+          f"{','.join(map(str, workload.prompt_lens))}, {workload.max_new_tokens} new tokens, "
+          f"temperature {workload.temperature}, KV page {workload.block_size}, stagger {workload.stagger}")
+    rows, results = [], []
+    for i, name in enumerate(names, 1):
+        progress(f"[{i}/{len(names)}] {name}: building")
+        try:
+            stack = stacks.build(name, workload.spec, workload.torch_dtype, workload.max_model_len)
+            progress(f"[{i}/{len(names)}] {name}: rollout + trainer recompute")
+            run = run_stack(stack, workload)
+        except stacks.Unsupported as e:
+            rows.append({"stack": name, "verdict": f"skipped: {e}"})
+            results.append({"name": name, "verdict": "skipped", "reason": str(e)})
+            continue
+        c = run.comparison
+        rows.append({
+            "stack": name, "tokens": c.tokens, "bitwise equal": c.bitwise_equal_tokens,
+            "max |logdiff|": report.fmt_float(c.max_abs_logdiff), "mean |logdiff|": report.fmt_float(c.mean_abs_logdiff),
+            "verdict": c.verdict, "seconds": f"{run.seconds:.1f}",
+        })
+        results.append({"name": name, **c.to_dict(), "seconds": run.seconds, "describe": stack.describe()})
+        if dump:
+            _dump(dump / f"{name.replace(':', '_')}.safetensors", run)
+    print(report.table(rows))
+    for r in results:
+        if r.get("first_divergence"):
+            d = r["first_divergence"]
+            print(f"{r['name']}: first divergence at seq {d['seq']} pos {d['pos']}: "
+                  f"rollout {d['rollout_bits']} vs trainer {d['trainer_bits']}")
+    if args.json:
+        report.write_json(args.json, report.envelope("run", workload.to_dict(), results))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _dump_dir(path: str) -> Path:
+    d = Path(path)
+    if d.exists() and not d.is_dir():
+        raise UserError(f"--dump {d} exists and is not a directory; pass a directory path")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create --dump directory {d} ({e.strerror}); choose a writable path") from None
+    report.check_writable(d / "probe", "--dump")
+    return d
+
+
+def _dump(path: Path, run) -> None:
+    from safetensors.torch import save_file
+
+    from logdiff.metrics import pad_sequences, response_mask
+
+    width = max(len(s) for s in run.sequences)
+    tokens = torch.full((len(run.sequences), width), -1, dtype=torch.long)
+    for i, s in enumerate(run.sequences):
+        tokens[i, : len(s)] = torch.tensor(s)
+    tensors = {
+        "tokens": tokens,
+        "prompt_lens": torch.tensor([len(p) for p in run.prompts]),
+        "rollout_logprobs": pad_sequences([o.logprobs for o in run.rollout]),
+        "trainer_logprobs": pad_sequences([t.detach() for t in run.trainer]),
+        "response_mask": response_mask([o.logprobs for o in run.rollout]),
+    }
+    report.write_atomic(path, lambda tmp: save_file(tensors, str(tmp)))
+
+
+# --------------------------------------------------------------------------- list
+
+
+def _add_list(sub) -> None:
+    p = sub.add_parser("list", help="list stacks and models")
+    p.set_defaults(func=cmd_list)
+
+
+def cmd_list(args) -> int:
+    rows = [{"stack": name, "what it is": stacks.first_line(f.__doc__)} for name, f in stacks.builtin_stacks().items()]
+    import importlib.metadata
+
+    for ep in importlib.metadata.entry_points(group=stacks.ENTRY_POINT_GROUP):
+        rows.append({"stack": ep.name, "what it is": f"plugin {ep.value}"})
+    print(report.table(rows))
+    print()
+    models = [
+        {"model": c.name, "layers": c.num_hidden_layers, "hidden": c.hidden_size,
+         "heads q/kv": f"{c.num_attention_heads}/{c.num_key_value_heads}", "head_dim": c.head_dim,
+         "experts": f"{c.num_experts} top-{c.num_experts_per_tok}" if c.is_moe else "dense", "vocab": c.vocab_size}
+        for c in NAMED_CONFIGS.values()
+    ]
+    print(report.table(models))
+    print("\n--model also takes a transformers checkpoint directory (config.json + *.safetensors).")
+    return 0
+
+
+# --------------------------------------------------------------------------- main
+
+
+COMMANDS = [_add_run, _add_list]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="logdiff", description="Bitwise rollout-vs-trainer log-prob conformance (logdiff = 0).")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except UserError as e:
+        print(f"logdiff: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("logdiff: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""What a kernel set provides: the ops the one model definition runs with, on both paths."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """The model calls nothing else; a stack's kernel set decides every bit of its log-probs.
+
+    linear(x [N, in], w [out, in]) -> [N, out] in x's dtype
+    rms_norm(x, weight, eps)
+    act(gate, up) -> silu(gate) * up
+    train_attention(q [N, Hq, d], k, v [N, Hkv, d], seqs) -> [N, Hq, d]
+    rollout_attention(q, k_cache, v_cache [Hkv, slots, d], seqs, slots [S, L]) -> [N, Hq, d]
+    route(router_logits [N, E], top_k, norm_topk_prob) -> ids [N, k], fp32 weights [N, k]
+    experts(x [N, H], ids [N, k], gate_up [E, 2I, H], down [E, H, I]) -> [N, k, H]: expert ids[t, r] on token t
+    combine(expert_out [N, k, H], weights [N, k]) -> [N, H]
+    token_logprobs(logits [N, V], targets [N], temperature [N]) -> fp32 [N]
+    sample(logits [S, V], temperature [S], seeds [S], token_index [S]) -> tokens [S]
+    """
+
+    name: str
+    linear: Callable
+    rms_norm: Callable
+    act: Callable
+    train_attention: Callable
+    rollout_attention: Callable
+    route: Callable
+    experts: Callable
+    combine: Callable
+    token_logprobs: Callable
+    sample: Callable

@@ -1,0 +1,87 @@
+"""Result files: the JSON envelope every command writes, written atomically, and text tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from tabulate import tabulate
+
+import logdiff
+from logdiff.errors import UserError
+from logdiff.stacks import platform_info
+
+SCHEMA = "logdiff/result/v1"
+
+
+def suite_commit() -> str:
+    """The git commit of the logdiff checkout, or 'unknown' for an installed copy."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=5,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    if out.returncode != 0:
+        return "unknown"
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=Path(__file__).resolve().parent,
+                           capture_output=True, text=True, timeout=5).stdout.strip()
+    return out.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def envelope(command: str, workload: dict, stacks: list[dict], **extra) -> dict:
+    return {
+        "schema": SCHEMA,
+        "command": command,
+        "suite": {"name": "logdiff", "version": logdiff.__version__, "commit": suite_commit()},
+        "platform": platform_info(),
+        "workload": workload,
+        "stacks": stacks,
+        **extra,
+    }
+
+
+def check_writable(path: str | os.PathLike, what: str = "--json") -> Path:
+    """Fail before any work if `path` cannot be written: its folder must exist and be writable."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{what} path {path} is a directory; give a file name such as {path / 'result.json'}")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UserError(f"{what} folder {parent} does not exist; create it first or choose another path")
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"{what} folder {parent} is not writable; choose a path you can write")
+    return path
+
+
+def write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
+    """`write(tmp)` into a temporary file beside `path`, then rename: readers never see half a file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | os.PathLike, data: dict) -> None:
+    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n"))
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    write_atomic(path, lambda tmp: tmp.write_text(text))
+
+
+def table(rows: list[dict], fmt: str = "simple") -> str:
+    return tabulate(rows, headers="keys", tablefmt=fmt, disable_numparse=True)
+
+
+def fmt_float(x: float) -> str:
+    return "0" if x == 0 else f"{x:.3g}"
