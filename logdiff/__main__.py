@@ -1,0 +1,5 @@
+import sys
+
+from logdiff.cli import main
+
+sys.exit(main())
