@@ -37,3 +37,51 @@ def suite(session):
     flags = [f"--stack={s}" for s in stacks]
     for dtype in ("fp32", "bf16"):
         session.run("logdiff", "run", "--dtype", dtype, *flags, "--json", str(out / f"run-{dtype}.json"))
+
+
+@nox.session(python=PYTHON)
+def conformance(session):
+    """The conformance catalogue on one stack: `logdiff check` (posargs: stack, default reference, then options).
+
+    Writes the results and badges to results/<machine>/<stack>/; the session fails if a property fails."""
+    install(session)
+    stack = session.posargs[0] if session.posargs else "reference"
+    session.run("logdiff", "check", "--stack", stack, *session.posargs[1:])
+
+
+@nox.session(python=PYTHON)
+def verl(session):
+    """verl 0.9.1's own metric functions against logdiff's on the same log-probs; writes results/<machine>/verl/.
+
+    verl pins transformers < 5.11 (pip picks one that also meets logdiff's >= 4.57); the constraints
+    file keeps its dependencies on this torch."""
+    session.install(TORCH)
+    session.install("-c", "tests/verl_compat/constraints.txt", "verl==0.9.1", "-e", ".[test]")
+    out = Path("results") / platform.node() / "verl"
+    out.mkdir(parents=True, exist_ok=True)
+    session.run("pytest", "tests/verl_compat", "-v", *session.posargs, env={"LOGDIFF_VERL_RESULTS": str(out / "metrics.json")})
+
+
+@nox.session(python=PYTHON)
+def perf(session):
+    """Eager-mode throughput: `logdiff bench` (interleaved ratios, JSON, badge, plot) for qwen3-moe-small bf16,
+    then the pytest-benchmark files in perf/; writes results/<machine>/bench/."""
+    install(session, "test")
+    out = Path("results") / platform.node() / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    session.run("logdiff", "bench", "--out", str(out))
+    session.run("pytest", "perf", "--benchmark-json", str(out / "pytest-benchmark.json"), *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def asv(session):
+    """asv history: records the benchmarks of perf/asv for the current commit in this environment and
+    publishes the static pages to results/asv/html (needs git and npm). posargs go to `asv run` (-b REGEX)."""
+    install(session)
+    session.install("asv==0.6.6")
+    commit = session.run("git", "rev-parse", "HEAD", silent=True, external=True).strip()
+    session.run("asv", "machine", "--yes", "--machine", platform.node())
+    session.run("asv", "run", "--python=same", "--machine", platform.node(), "--set-commit-hash", commit,
+                "--show-stderr", *session.posargs)
+    session.run("asv", "publish")
+    session.run("python", "perf/asv_offline.py", "results/asv/html")  # the pages' JS from npm, not CDNs

@@ -2,20 +2,22 @@
 
 Trainer and prefill attention are torch's fused SDPA over a padded batch; decode is a split-KV paged
 attention whose split count depends on batch and length; GEMMs run at whatever row count they get
-(GEMV for one decode row); SiLU, softmax, top-k and log-softmax are torch's fused ops; the MoE combine
-sums in the model dtype.
+(GEMV for one decode row), the experts grouped like the reference's but each at its own row count;
+SiLU, softmax, top-k and log-softmax are torch's fused ops; the MoE combine sums in the model dtype.
 """
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
-
 from logdiff.kernels import sampling
 from logdiff.kernels.activation import fused_silu_mul
 from logdiff.kernels.attention import Alignments, decode_attention
 from logdiff.kernels.linear import plain_linear
 from logdiff.kernels.logsoftmax import fused_token_logprobs
-from logdiff.kernels.moe import run_experts
+from logdiff.kernels.moe import grouped_experts
 from logdiff.kernels.norm import rms_norm
+
 from logdiff.kernelset import KernelSet
 
 _SPLIT_KV = Alignments(order=False)
@@ -78,7 +80,7 @@ def baseline_kernels() -> KernelSet:
         train_attention=sdpa_train_attention,
         rollout_attention=baseline_rollout_attention,
         route=fused_route,
-        experts=lambda x, ids, gate_up, down: run_experts(x, ids, gate_up, down, linear=plain_linear, act=fused_silu_mul),
+        experts=partial(grouped_experts, invariant=False, act=fused_silu_mul),
         combine=model_dtype_combine,
         token_logprobs=fused_token_logprobs,
         sample=sampling.sample,

@@ -13,6 +13,7 @@ from itertools import groupby
 
 import torch
 import torch.nn.functional as F
+from logdiff.baselines.hf_capture import capture_hooks, capture_logprobs
 
 from logdiff.engine import RolloutOutput
 from logdiff.stacks import EngineOptions, Stack, Unsupported
@@ -48,35 +49,40 @@ class HFStack(Stack):
         info["experts_implementation"] = self.experts or "default"
         return info
 
-    def trainer_logprobs(self, sequences, score_from, temperatures, grad=False):
+    def trainer_parameters(self):
+        return dict(self.model.named_parameters())
+
+    def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, capture=None):
         width = max(len(s) for s in sequences)
         ids = torch.zeros(len(sequences), width, dtype=torch.long)
         mask = torch.zeros(len(sequences), width, dtype=torch.long)
         for i, s in enumerate(sequences):
             ids[i, : len(s)] = torch.tensor(s)
             mask[i, : len(s)] = 1
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad), capture_hooks(self.model, capture, list(range(len(sequences)))):
             logits = self.model(input_ids=ids, attention_mask=mask).logits
             out = []
             for i, (s, first, temp) in enumerate(zip(sequences, score_from, temperatures)):
                 rows = logits[i, first - 1 : len(s) - 1].float() / (temp if temp > 0 else 1.0)
                 target = torch.tensor(s[first:])
                 out.append(F.log_softmax(rows, dim=-1).gather(1, target[:, None]).squeeze(1))
+        scored = [torch.arange(first - 1, len(s) - 1) for s, first in zip(sequences, score_from)]
+        capture_logprobs(capture, list(range(len(sequences))), scored, out)
         return out
 
     @torch.no_grad()
-    def rollout(self, requests, options: EngineOptions = EngineOptions()):
-        if options != EngineOptions(page_size=options.page_size):
-            raise Unsupported("transformers generate has no chunked prefill or block tables")
+    def rollout(self, requests, options: EngineOptions = EngineOptions(), capture=None):
+        if options != EngineOptions():
+            raise Unsupported("transformers generate has no paged KV cache: no page size, chunked prefill or block tables")
         outputs: dict[int, RolloutOutput] = {}
         indexed = sorted(enumerate(requests), key=lambda ir: ir[1].arrival)
         for _, group in groupby(indexed, key=lambda ir: ir[1].arrival):
             group = list(group)
-            for (i, _), out in zip(group, self._generate([r for _, r in group])):
+            for (i, _), out in zip(group, self._generate([r for _, r in group], [i for i, _ in group], capture)):
                 outputs[i] = out
         return [outputs[i] for i in range(len(requests))]
 
-    def _generate(self, requests) -> list[RolloutOutput]:
+    def _generate(self, requests, indices: list[int], capture) -> list[RolloutOutput]:
         if len({(r.max_new_tokens, r.temperature) for r in requests}) > 1:
             raise Unsupported("one generate call needs one max_new_tokens and temperature per batch")
         width = max(len(r.prompt) for r in requests)
@@ -90,14 +96,17 @@ class HFStack(Stack):
         if first.temperature > 0:
             torch.manual_seed(first.seed)
             sampling = dict(do_sample=True, temperature=first.temperature, top_k=0, top_p=1.0)
-        gen = self.model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=first.max_new_tokens, min_new_tokens=first.max_new_tokens,
-            output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None, **sampling,
-        )
+        with capture_hooks(self.model, capture, indices):
+            gen = self.model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=first.max_new_tokens, min_new_tokens=first.max_new_tokens,
+                output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None, **sampling,
+            )
         tokens = gen.sequences[:, width:]
         temp = first.temperature if first.temperature > 0 else 1.0
         logits = torch.stack(gen.logits, dim=1).float() / temp  # raw logits, before any processor
         logp = F.log_softmax(logits, dim=-1).gather(2, tokens[..., None]).squeeze(2)
+        steps = torch.arange(tokens.shape[1])
+        capture_logprobs(capture, indices, [len(r.prompt) - 1 + steps for r in requests], list(logp))
         return [RolloutOutput(t.tolist(), lp.clone()) for t, lp in zip(tokens, logp)]
 
 

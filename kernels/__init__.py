@@ -8,9 +8,10 @@ from logdiff.kernels.activation import silu_mul
 from logdiff.kernels.attention import Alignments, rollout_attention, train_attention
 from logdiff.kernels.linear import linear, plain_linear
 from logdiff.kernels.logsoftmax import token_logprobs
-from logdiff.kernels.moe import combine, route, run_experts
+from logdiff.kernels.moe import combine, grouped_experts, route
 from logdiff.kernels.norm import rms_norm
 from logdiff.kernels.sampling import sample
+
 from logdiff.kernelset import KernelSet
 
 __all__ = ["Alignments", "reference_kernels"]
@@ -28,7 +29,7 @@ def reference_kernels(align: Alignments = Alignments(), name: str = "reference")
         train_attention=partial(train_attention, align=align),
         rollout_attention=partial(rollout_attention, align=align),
         route=route,
-        experts=partial(run_experts, linear=gemm, act=silu_mul),
+        experts=partial(grouped_experts, invariant=align.order, act=silu_mul),
         combine=combine,
         token_logprobs=token_logprobs,
         sample=sample,

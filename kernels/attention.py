@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from logdiff.kernels.linear import MIN_ROWS
 
 from logdiff.batch import SeqBatch
-from logdiff.kernels.linear import MIN_ROWS
 
 KV_BLOCK = 128  # the Ascend kernels' KV block
 UNALIGNED_ROLLOUT_BLOCK = 64
@@ -79,9 +79,10 @@ def _online_softmax(q, q_pos, k, v, slots, block_ids, block, additive_mask, key_
     # the rows a block still needs are a suffix; keep at least MIN_ROWS so the GEMMs stay invariant.
     done_m, done_l, done_acc = [], [], []
     first = 0
+    spare = q.shape[2] - MIN_ROWS  # rows that may be dropped (decode has none: skip the count)
     for j in block_ids:
         keys = torch.arange(j * block, (j + 1) * block)
-        needed = min(int((q_pos < j * block).sum(1).min()), q.shape[2] - MIN_ROWS)
+        needed = min(int((q_pos < j * block).sum(1).min()), spare) if spare > first else first
         if needed > first:
             cut = needed - first
             done_m.append(m[..., :cut]), done_l.append(l[..., :cut]), done_acc.append(acc[..., :cut, :])
@@ -157,14 +158,17 @@ def rollout_attention(q, k_cache, v_cache, seqs: SeqBatch, slots, align: Alignme
 
 
 def _rollout(q, k_cache, v_cache, seqs, slots, align, block, splits):
-    index = seqs.padded_index()
-    q_pos = seqs.starts[:, None] + torch.arange(index.shape[1])
-    rows, row_pos = _query_rows(q, index, q_pos, k_cache.shape[0])
+    if seqs.is_decode:
+        rows, row_pos = _decode_rows(q, seqs.starts, k_cache.shape[0])
+    else:
+        index = seqs.padded_index()
+        q_pos = seqs.starts[:, None] + torch.arange(index.shape[1])
+        rows, row_pos = _query_rows(q, index, q_pos, k_cache.shape[0])
     out = _attend(
         rows, row_pos, k_cache, v_cache, _pad_to_blocks(slots, block, fill=0),
         block=block, splits=splits, p_dtype=_rollout_p_dtype(align, q.dtype),
     )
-    return _unpack_rows(out, index, q)
+    return _unpack_decode_rows(out, q) if seqs.is_decode else _unpack_rows(out, index, q)
 
 
 def _rollout_block(align: Alignments) -> int:
@@ -204,6 +208,21 @@ def _query_rows(q, index, q_pos, num_kv_heads):
         rows = F.pad(rows, (0, 0, 0, short))
         row_pos = torch.cat([row_pos, row_pos[:, -1:].expand(num_seqs, short)], dim=1)
     return rows, row_pos
+
+
+def _decode_rows(q, starts, num_kv_heads):
+    """`_query_rows` for one token per sequence, without the padded index: the same rows, same values."""
+    num_seqs, heads, head_dim = q.shape
+    group = heads // num_kv_heads
+    rows = q.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).contiguous().float() * head_dim**-0.5
+    width = max(group, MIN_ROWS)
+    return F.pad(rows, (0, 0, 0, width - group)), starts[:, None].expand(num_seqs, width)
+
+
+def _unpack_decode_rows(out, q):
+    """`_unpack_rows` for one token per sequence."""
+    group = q.shape[1] // out.shape[0]
+    return out[:, :, :group].transpose(0, 1).reshape(q.shape).to(q.dtype)
 
 
 def _unpack_rows(out, index, q):

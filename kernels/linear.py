@@ -2,33 +2,53 @@
 
 MKL picks a different micro-kernel, and so a different reduction order along K, for skinny GEMMs:
 here fp32 `x[:m] @ W` differs from `(x @ W)[:m]` for m in {1, 2, 3, 5, 6, 7, 9, 10, 11}, and on
-AVX2 machines for m <= 3. From MIN_ROWS rows on every row comes out the same whatever M is, so
-skinny calls (decode, small experts) are zero-padded up to MIN_ROWS rows. On a memory-bound GEMV
-the extra rows cost almost nothing: the weights are read once either way.
+AVX2 machines for m <= 3. From MIN_ROWS rows on every row comes out the same whatever M is (checked
+for every GEMM shape of the named configs, M up to 3000, 1 and 2 threads), so skinny calls (decode,
+small experts) are zero-padded up to `min_rows(dtype)` rows. oneDNN's native bf16 GEMM (AVX512-BF16,
+no AMX) differs only for m = 1 (at K = 2048), in F.linear and in bmm alike, so there 2 rows suffice.
+AMX machines run another, unchecked bf16 kernel, so they keep the checked fp32 path. On a memory-bound GEMV the extra rows cost almost
+nothing: the weights are read once either way; 64 experts padded to 16 rows each do cost compute.
 
-Low-precision inputs are computed as fp32 GEMMs and rounded once: the bits of a bf16 GEMM with fp32
-accumulation, at fp32 GEMM speed (a bf16 matmul on this CPU is 5-300x slower).
+Precision: every GEMM accumulates in fp32 and rounds its result once to the input dtype. bf16 runs
+as oneDNN's native bf16 GEMM where the CPU has bf16 dot-product instructions and no AMX (measured on AVX512-BF16:
+~2x an fp32 GEMM, and no upcast copy of x or W); elsewhere, and for fp16 (no native fp16 GEMM on
+x86: ~5x slower than an upcast), as an fp32 GEMM on upcast operands.
 """
 
 import torch
 import torch.nn.functional as F
 
 MIN_ROWS = 16
+MIN_ROWS_NATIVE_BF16 = 2
+
+_AMX = torch.cpu._is_amx_tile_supported() if hasattr(torch.cpu, "_is_amx_tile_supported") else True
+NATIVE_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported() and not _AMX
 
 
-def _fp32_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return F.linear(x.float(), w.float()).to(x.dtype)
+def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the GEMMs of a model in `dtype` read their weights in."""
+    return dtype if dtype == torch.float32 or (dtype == torch.bfloat16 and NATIVE_BF16) else torch.float32
+
+
+def min_rows(dtype: torch.dtype) -> int:
+    """Rows from which a GEMM of inputs in `dtype` gives every row the same bits whatever M is."""
+    return MIN_ROWS_NATIVE_BF16 if gemm_dtype(dtype) == torch.bfloat16 else MIN_ROWS
+
+
+def _gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    compute = gemm_dtype(x.dtype)
+    return F.linear(x.to(compute), w.to(compute)).to(x.dtype)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [N, in] @ w[out, in].T, invariant to N."""
-    rows = x.shape[0]
-    if rows >= MIN_ROWS:
-        return _fp32_linear(x, w)
-    padded = F.pad(x, (0, 0, 0, MIN_ROWS - rows))
-    return _fp32_linear(padded, w)[:rows]
+    rows, needed = x.shape[0], min_rows(x.dtype)
+    if rows >= needed:
+        return _gemm(x, w)
+    padded = F.pad(x, (0, 0, 0, needed - rows))
+    return _gemm(padded, w)[:rows]
 
 
 def plain_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The same GEMM without the padding: the reduction order follows N (GEMV for one row)."""
-    return _fp32_linear(x, w)
+    return _gemm(x, w)

@@ -3,12 +3,22 @@
 Routing: fp32 softmax over the router logits, top-k by a stable descending sort (ties go to the
 lower expert id), renormalised. Experts: each expert's tokens run through the batch-invariant
 linear. Combine: a token's k expert outputs are summed in routing-rank order, in fp32.
+
+`grouped_experts` is the reference's expert layer: the (token, expert) pairs are laid out once in one
+buffer, expert after expert, each expert's rows padded to `min_rows` (a GEMM of that many rows or more
+gives every row the same bits whatever the row count, see linear.py); then one GEMM per active expert,
+or one batched GEMM over all experts when nearly all have rows (decode), and one activation over the
+whole buffer. `run_experts` is the plain loop over experts, with every op per expert, that a
+straightforward implementation writes (naive's).
 """
 
 import torch
-
+import torch.nn.functional as F
 from logdiff.kernels.activation import silu_mul
-from logdiff.kernels.linear import linear
+from logdiff.kernels.linear import gemm_dtype, linear, min_rows
+
+# Batched over all experts when that computes at most this many times the rows of the per-expert GEMMs.
+BATCHED_WASTE = 2.0
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
@@ -35,21 +45,71 @@ def run_experts(x, ids, gate_up, down, linear=linear, act=silu_mul):
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
     grouped = x[order // top_k]
-    pieces, start = [], 0
-    for expert, count in enumerate(counts):
-        if count:
-            rows = grouped[start : start + count]
+    gate_up, down = _per_expert(gate_up), _per_expert(down)
+    pieces = []
+    for expert, rows in enumerate(grouped.split(counts)):
+        if len(rows):
             gate, up = linear(rows, gate_up[expert]).chunk(2, dim=-1)
             pieces.append(linear(act(gate, up), down[expert]))
-            start += count
     out = torch.empty_like(grouped)
     out = out.index_copy(0, order, torch.cat(pieces))
     return out.view(num_tokens, top_k, -1)
 
 
+def grouped_experts(x, ids, gate_up, down, invariant=True, act=silu_mul):
+    """`run_experts` with one buffer for all experts: the same rows per expert GEMM, so the same bits.
+    `invariant=False` drops the padding to `min_rows`: a row's bits then follow its expert's row count."""
+    num_tokens, top_k = ids.shape
+    num_experts = gate_up.shape[0]
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order within an expert
+    counts = torch.bincount(flat, minlength=num_experts)
+    rows = torch.where(counts > 0, counts.clamp(min=min_rows(x.dtype) if invariant else 1), 0)
+    sizes = rows.tolist()
+    capacity = max(sizes)
+    # Dense (decode: nearly every expert gets a few rows): one batched GEMM over all experts, each
+    # padded to the largest; otherwise one GEMM per active expert. A row's bits are the same either way
+    # (checked: bmm rows equal F.linear rows from min_rows rows on), so this only chooses the faster.
+    batched = num_experts * capacity <= BATCHED_WASTE * sum(sizes)
+    starts = torch.arange(num_experts) * capacity if batched else torch.cumsum(rows, 0) - rows
+    expert_of = flat[order]
+    rank = torch.arange(flat.numel()) - (torch.cumsum(counts, 0) - counts)[expert_of]
+    dest = starts[expert_of] + rank  # row of each sorted (token, expert) pair in the buffer
+    total = num_experts * capacity if batched else sum(sizes)
+    source = torch.full((total,), num_tokens, dtype=torch.long).index_put_((dest,), order // top_k)
+    compute = gemm_dtype(x.dtype)
+    # An embedding gather: its backward sums a token's k rows in a fixed order (index backward does not).
+    buffer = F.embedding(source, F.pad(x, (0, 0, 0, 1))).to(compute)  # padding rows read the zero row
+    if batched:
+        h = torch.bmm(buffer.view(num_experts, capacity, -1), gate_up.to(compute).transpose(1, 2))
+        gate, up = h.view(total, -1).to(x.dtype).chunk(2, dim=-1)
+        a = act(gate, up).to(compute).view(num_experts, capacity, -1)
+        out = torch.bmm(a, down.to(compute).transpose(1, 2)).view(total, -1).to(x.dtype)
+    else:
+        active = [e for e, n in enumerate(sizes) if n]
+        active_sizes = [sizes[e] for e in active]
+        gate_up, down = _per_expert(gate_up), _per_expert(down)
+        # split(), not slicing: a slice's backward zero-fills a gradient of the whole buffer, once per expert.
+        pieces = buffer.split(active_sizes)
+        h = torch.cat([F.linear(piece, gate_up[e].to(compute)) for e, piece in zip(active, pieces)]).to(x.dtype)
+        gate, up = h.chunk(2, dim=-1)
+        pieces = act(gate, up).to(compute).split(active_sizes)
+        out = torch.cat([F.linear(piece, down[e].to(compute)) for e, piece in zip(active, pieces)]).to(x.dtype)
+    row_of_pair = torch.empty_like(dest).index_put_((order,), dest)  # pairs back in (token, rank) order
+    return F.embedding(row_of_pair, out).view(num_tokens, top_k, -1)
+
+
+def _per_expert(weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The experts' weight matrices as views whose gradients autograd stacks once. Indexing `weights[e]`
+    per expert instead makes each backward allocate and zero-fill a gradient of all E experts (O(E^2)
+    memory traffic: 77 % of a qwen3-moe-small trainer step). Without autograd, indexing is the cheaper view."""
+    return weights.unbind(0) if weights.requires_grad and torch.is_grad_enabled() else weights
+
+
 def combine(expert_out, weights):
     """sum_r weights[:, r] * expert_out[:, r], accumulated in rank order in fp32."""
-    acc = weights[:, 0, None] * expert_out[:, 0].float()
-    for r in range(1, weights.shape[1]):
-        acc = acc + weights[:, r, None] * expert_out[:, r].float()
+    terms = (weights[..., None] * expert_out.float()).unbind(1)  # unbind: one backward, not k zero-filled ones
+    acc = terms[0]
+    for term in terms[1:]:
+        acc = acc + term
     return acc.to(expert_out.dtype)

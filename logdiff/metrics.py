@@ -70,20 +70,28 @@ def first_divergence(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> Di
     return None
 
 
-def compare(rollout: Sequence[torch.Tensor], trainer: Sequence[torch.Tensor]) -> Comparison:
-    """Per-token d = rollout - trainer over every response token of every sequence."""
+def compare(rollout: Sequence[torch.Tensor], trainer: Sequence[torch.Tensor], metrics: dict | None = None) -> Comparison:
+    """Per-token d = rollout - trainer over every response token of every sequence.
+
+    `metrics` are the framework metrics when the caller holds the padded batch a framework logged them
+    from (`logdiff analyze`): recomputed on another padding they could round differently. By default
+    they come from these sequences right-padded with zeros.
+    """
     divergence = first_divergence(rollout, trainer)
     r, t = torch.cat(list(rollout)).float(), torch.cat(list(trainer)).float()
     equal = int((bits(r) == bits(t)).sum())
     diff = (r - t).abs()
-    padded_r, padded_t, mask = pad_sequences(rollout), pad_sequences(trainer), response_mask(rollout)
+    if metrics is None:
+        metrics = framework_metrics(
+            old_log_prob=pad_sequences(trainer), rollout_log_prob=pad_sequences(rollout), response_mask=response_mask(rollout)
+        )
     return Comparison(
         tokens=r.numel(),
         bitwise_equal_tokens=equal,
         max_abs_logdiff=float(diff.max()) if r.numel() else 0.0,
         mean_abs_logdiff=float(diff.mean()) if r.numel() else 0.0,
         first_divergence=divergence,
-        metrics=framework_metrics(old_log_prob=padded_t, rollout_log_prob=padded_r, response_mask=mask),
+        metrics=metrics,
     )
 
 
@@ -100,9 +108,10 @@ def framework_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor
     """verl's and slime's mismatch metrics from padded [B, T] log-probs, under their logged names.
 
     old_log_prob is the trainer's recomputation, rollout_log_prob the engine's, as verl names them.
+    The verl figures follow verl 0.9.1's own operations in its own order, so that they equal what verl
+    logs for the same tensors bit for bit (checked against verl itself by `nox -s verl`).
     """
     mask = response_mask.bool()
-    m = mask.float()
     metrics = {}
     # verl: verl/utils/debug/metrics.py calculate_debug_metrics (probabilities, not log-probs)
     actor_p, rollout_p = torch.exp(old_log_prob), torch.exp(rollout_log_prob)
@@ -113,17 +122,17 @@ def framework_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor
     pair = torch.stack([torch.masked_select(actor_p, mask), torch.masked_select(rollout_p, mask)])
     metrics["training/rollout_actor_probs_pearson_corr"] = torch.corrcoef(pair)[0][1].item()
     # verl: verl/trainer/ppo/rollout_corr_helper.py compute_offpolicy_metrics, prefixed rollout_corr/
-    mean_train = _masked_mean(old_log_prob, m, dim=-1)
-    mean_rollout = _masked_mean(rollout_log_prob, m, dim=-1)
+    mean_train = _masked_mean(old_log_prob, response_mask, dim=-1)
+    mean_rollout = _masked_mean(rollout_log_prob, response_mask, dim=-1)
     log_ratio = old_log_prob - rollout_log_prob
     log_ppl_diff = mean_rollout - mean_train
-    rho = torch.exp(torch.clamp(log_ratio, -SAFETY_BOUND, SAFETY_BOUND))
-    log_ratio_sum = (log_ratio * m).sum(-1)
+    rho = torch.exp(torch.clamp(log_ratio, min=-SAFETY_BOUND, max=SAFETY_BOUND))
+    log_ratio_sum = _masked_sum(log_ratio, response_mask, dim=-1)
     corr = {
         "training_ppl": torch.exp(-mean_train).mean(),
         "training_log_ppl": (-mean_train).mean(),
-        "kl": _masked_mean(rollout_log_prob - old_log_prob, m),
-        "k3_kl": _masked_mean(torch.exp(log_ratio) - log_ratio - 1, m),
+        "kl": _masked_mean(rollout_log_prob - old_log_prob, response_mask),
+        "k3_kl": _masked_mean(torch.exp(log_ratio) - log_ratio - 1, response_mask),
         "rollout_ppl": torch.exp(-mean_rollout).mean(),
         "rollout_log_ppl": (-mean_rollout).mean(),
         "log_ppl_diff": log_ppl_diff.mean(),
@@ -131,17 +140,22 @@ def framework_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor
         "log_ppl_diff_max": log_ppl_diff.max(),
         "log_ppl_diff_min": log_ppl_diff.min(),
         "ppl_ratio": torch.exp(log_ppl_diff).mean(),
-        "chi2_token": _masked_mean(rho.square(), m) - 1.0,
-        "chi2_seq": torch.exp(2.0 * torch.clamp(log_ratio_sum, -SAFETY_BOUND, SAFETY_BOUND)).mean() - 1.0,
+        "chi2_token": _masked_mean(rho.square(), response_mask) - 1.0,
+        "chi2_seq": torch.exp(2.0 * torch.clamp(log_ratio_sum, min=-SAFETY_BOUND, max=SAFETY_BOUND)).mean() - 1.0,
     }
     metrics.update({f"rollout_corr/{k}": v.item() for k, v in corr.items()})
     # slime / Miles: mean over samples of the per-sample mean |old - rollout|
-    per_sample = ((old_log_prob - rollout_log_prob).abs() * m).sum(-1) / m.sum(-1)
+    per_sample = _masked_sum((old_log_prob - rollout_log_prob).abs(), response_mask, dim=-1) / response_mask.sum(-1)
     metrics["train_rollout_logprob_abs_diff"] = per_sample.mean().item()
     return metrics
 
 
+def _masked_sum(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    # As verl's masked_sum: padding is zeroed before the product, so NaN or inf log-probs in padded
+    # slots (a saved batch may hold anything there) cannot leak into the sum through 0 * inf.
+    return (torch.where(mask.bool(), values, 0.0) * mask).sum(dim=dim)
+
+
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
-    if dim is None:
-        return (values * mask).sum() / (mask.sum() + 1e-8)
-    return (values * mask).sum(dim) / (mask.sum(dim) + 1e-8)
+    # As verl's masked_mean: the mask is summed in its own dtype (int64 in verl batches).
+    return _masked_sum(values, mask, dim) / (mask.sum(dim=dim) + 1e-8)

@@ -6,8 +6,9 @@ loads into a transformers model unchanged. Every op goes through a `KernelSet`; 
 the trainer and the rollout engine is only the `attend` callback (own keys vs paged cache) and the
 layout of the tokens (`SeqBatch`).
 
-`capture(name, tensor)`, when given, receives the output of every named point of the forward
-(`embedding`, `layers.3.q_proj`, ..., `final_norm`); `logdiff bisect` uses it. None costs nothing.
+`capture(name, tensor)`, when given, receives the inputs and the output of every named point of the
+forward (`tokens`, `positions`, `embedding`, `layers.3.q_proj`, ..., `final_norm`, `logits`; the list,
+in order, is `logdiff.capture.point_names`); `logdiff bisect` uses it. None costs a no-op call per point.
 """
 
 from __future__ import annotations
@@ -108,7 +109,10 @@ class Qwen3ForCausalLM(nn.Module):
         c = self.config
         cap = capture or _ignore
         positions = seqs.positions
-        x = self.model.embed_tokens.weight[tokens]
+        cap("tokens", tokens), cap("positions", positions)
+        # An embedding gather, not `weight[tokens]`: the backward of advanced indexing accumulates repeated
+        # tokens' rows in a thread-dependent order on CPU (not deterministic); embedding's backward is.
+        x = nn.functional.embedding(tokens, self.model.embed_tokens.weight)
         cap("embedding", x)
         for i, layer in enumerate(self.model.layers):
             at = f"layers.{i}."

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import tempfile
 from pathlib import Path
@@ -58,11 +59,32 @@ def check_writable(path: str | os.PathLike, what: str = "--json") -> Path:
     return path
 
 
+def output_dir(path: str | os.PathLike, what: str) -> Path:
+    """Create the folder a command writes into (`what` names its option), or fail before any work."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{what} {out} exists and is not a directory; pass a directory path")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create {what} folder {out} ({e.strerror}); choose a writable path") from None
+    check_writable(out / "probe", what)
+    return out
+
+
+def results_dir(*parts: str) -> Path:
+    """results/<machine>/...: where commands write by default."""
+    return Path("results", platform.node(), *parts)
+
+
 def write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
     """`write(tmp)` into a temporary file beside `path`, then rename: readers never see half a file."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; results are for everyone to read
     try:
         write(Path(tmp))
         os.replace(tmp, path)

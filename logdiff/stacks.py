@@ -41,7 +41,17 @@ class EngineOptions:
 
 
 class Stack(ABC):
-    """What a candidate implements. Both methods return fp32 log-probs, one tensor per sequence."""
+    """What a candidate implements. Both methods return fp32 log-probs, one tensor per sequence.
+
+    The capture hook (optional; `logdiff bisect` needs it): `rollout` and `trainer_logprobs` accept a
+    keyword `capture=None`. When one is given, the stack calls, before every model forward,
+    `logdiff.capture.locate(capture, request, position, head)`: the request index (-1 for padding) and
+    absolute position of each row of that forward, and the rows whose next-token logits and log-probs
+    it computes; then `capture(name, tensor)` at each capture point it can observe, with the rows first,
+    in the order just announced (`logits`, `logprob`: the `head` rows). Point names and their order are
+    `logdiff.capture.point_names`. With `capture=None` the stack must run exactly as it does without
+    the hook. `KernelStack` and the `hf` stacks implement it.
+    """
 
     name: str = "unnamed"
 
@@ -55,6 +65,20 @@ class Stack(ABC):
         grad: bool = False,
     ) -> list[torch.Tensor]:
         """Teacher-forced log p(token i | tokens < i) for i >= score_from[s] (temperature 0 scores at 1)."""
+
+    def prompt_logprobs(
+        self, sequences: Sequence[Sequence[int]], score_from: Sequence[int], temperatures: Sequence[float],
+        options: EngineOptions = EngineOptions(),
+    ) -> list[torch.Tensor]:
+        """Optional (conformance C4): what `trainer_logprobs` returns, computed by the rollout engine from
+        one prefill over each whole sequence, as vLLM's `prompt_logprobs` does."""
+        raise Unsupported(f"stack {self.name} does not score given tokens with its rollout engine (prompt_logprobs)")
+
+    def trainer_parameters(self) -> dict[str, torch.Tensor]:
+        """Optional (conformance C11): the trainer's parameters by name. The suite switches their
+        `requires_grad` on, differentiates `trainer_logprobs(..., grad=True)` with respect to them, and
+        switches it off again."""
+        raise Unsupported(f"stack {self.name} does not expose its trainer's parameters (trainer_parameters)")
 
     def describe(self) -> dict:
         """Versions and device, for report headers."""
@@ -79,6 +103,13 @@ class KernelStack(Stack):
     def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, capture: Capture = None):
         return self.trainer.logprobs(sequences, score_from, temperatures, grad=grad, capture=capture)
 
+    def prompt_logprobs(self, sequences, score_from, temperatures, options=EngineOptions()):
+        engine = RolloutEngine(self.engine_model, self.ops, options.page_size, options.prefill_chunk, options.shuffle_pages)
+        return engine.prompt_logprobs(sequences, score_from, temperatures)
+
+    def trainer_parameters(self):
+        return dict(self.model.named_parameters())
+
 
 StackFactory = Callable[[ModelSpec, torch.dtype, int], Stack]
 
@@ -96,8 +127,7 @@ def builtin_stacks() -> dict[str, StackFactory]:
     from logdiff.baselines.baseline import baseline_kernels
     from logdiff.baselines.hf import hf_eager_stack, hf_stack
     from logdiff.baselines.naive import naive_kernels
-    from logdiff.kernels import reference_kernels
-    from logdiff.kernels import ablations
+    from logdiff.kernels import ablations, reference_kernels
 
     stacks = {
         "reference": _kernel_stack(reference_kernels, "aligned kernels: mask, order, blocks, precision all on"),

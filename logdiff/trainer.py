@@ -11,6 +11,7 @@ from typing import Sequence
 import torch
 
 from logdiff.batch import SeqBatch
+from logdiff.capture import locate
 from logdiff.kernelset import KernelSet
 from logdiff.model import Capture, Qwen3ForCausalLM
 
@@ -44,6 +45,8 @@ class Trainer:
             targets.append(torch.as_tensor(seq[first:], dtype=torch.long))
             temps.append(torch.full((len(seq) - first,), float(temp) if temp > 0 else 1.0))
             counts.append(len(seq) - first)
+        if capture:
+            locate(capture, seqs.seq_of_token, seqs.positions, torch.cat(rows))
         with torch.set_grad_enabled(grad):
             ops = self.ops
 

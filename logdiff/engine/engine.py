@@ -8,8 +8,10 @@ import copy
 import torch
 
 from logdiff.batch import SeqBatch
+from logdiff.capture import locate
 from logdiff.engine.kv_cache import BlockManager, PagedKVCache
 from logdiff.engine.scheduler import Request, RolloutOutput, Scheduler, Sequence
+from logdiff.kernels.linear import gemm_dtype
 from logdiff.kernelset import KernelSet
 from logdiff.model import Capture, Qwen3ForCausalLM
 
@@ -38,11 +40,7 @@ class RolloutEngine:
 
     @torch.no_grad()
     def generate(self, requests: list[Request], capture: Capture = None) -> list[RolloutOutput]:
-        c = self.model.config
-        pages = sum(-(-(len(r.prompt) + r.max_new_tokens) // self.page_size) for r in requests)
-        self.blocks = BlockManager(pages, self.page_size, self.shuffle_pages)
-        self.cache = PagedKVCache(c.num_hidden_layers, pages, self.page_size, c.num_key_value_heads, c.head_dim, self.model.dtype)
-        self.capture = capture
+        self._allocate(requests, capture)
         sched = Scheduler(requests)
         while not sched.idle:
             joined = sched.admit()
@@ -56,27 +54,73 @@ class RolloutEngine:
         done = sorted(sched.done, key=lambda s: s.index)
         return [RolloutOutput(s.tokens, torch.cat(s.logprobs)) for s in done]
 
+    @torch.no_grad()
+    def prompt_logprobs(self, sequences, score_from, temperatures) -> list[torch.Tensor]:
+        """log p(token i | tokens < i) for i >= score_from[s] from prefill alone, as vLLM's prompt_logprobs:
+        each whole sequence goes through the rollout's prefill path (in chunks if asked) over the paged cache.
+        Temperature 0 scores at 1, as for a greedy rollout."""
+        requests = [Request(tuple(s), max_new_tokens=0, temperature=t) for s, t in zip(sequences, temperatures)]
+        for i, (seq, first) in enumerate(zip(sequences, score_from)):
+            if not 1 <= first <= len(seq):
+                raise ValueError(f"score_from {first} outside [1, {len(seq)}] for sequence {i}")
+        self._allocate(requests, capture=None)
+        seqs = [Sequence(i, r) for i, r in enumerate(requests)]
+        scored = [[] for _ in seqs]
+
+        def predicting_scored_tokens(s: Sequence, start: int, n: int) -> list[int]:
+            # chunk row r holds position start + r and predicts the token at start + r + 1
+            return [r for r in range(n) if score_from[s.index] <= start + r + 1 < s.prompt_len]
+
+        for part, starts, emitted, logits in self._prefill_chunks(seqs, predicting_scored_tokens):
+            targets = [s.request.prompt[a + r + 1] for s, a, rows in zip(part, starts, emitted) for r in rows]
+            if not targets:
+                continue
+            temps = [s.request.temperature or 1.0 for s, rows in zip(part, emitted) for _ in rows]
+            logp = self.ops.token_logprobs(logits, torch.tensor(targets), torch.tensor(temps, dtype=torch.float32))
+            for s, piece in zip(part, logp.split([len(rows) for rows in emitted])):
+                scored[s.index].append(piece)
+        for s in seqs:
+            self.blocks.release(s.table)
+        return [torch.cat(pieces) if pieces else torch.empty(0) for pieces in scored]
+
+    def _allocate(self, requests: list[Request], capture: Capture) -> None:
+        c = self.model.config
+        pages = sum(-(-(len(r.prompt) + r.max_new_tokens) // self.page_size) for r in requests)
+        self.blocks = BlockManager(pages, self.page_size, self.shuffle_pages)
+        self.cache = PagedKVCache(c.num_hidden_layers, pages, self.page_size, c.num_key_value_heads, c.head_dim, self.model.dtype)
+        self.capture = capture
+
     def _prefill(self, seqs: list[Sequence]) -> None:
+        def last_prompt_token(s: Sequence, start: int, n: int) -> list[int]:
+            return [n - 1] if start + n == s.prompt_len else []
+
+        for part, _, emitted, logits in self._prefill_chunks(seqs, last_prompt_token):
+            self._sample([s for s, rows in zip(part, emitted) if rows], logits)
+
+    def _prefill_chunks(self, seqs: list[Sequence], emit):
+        """Puts the prompts into the cache, `prefill_chunk` tokens per sequence and forward. Yields, per
+        forward, its sequences, their chunk starts, the rows each emits and the logits of those rows:
+        `emit(seq, start, n)` picks them among the n rows of a chunk that starts at position `start`."""
         chunk = self.prefill_chunk or max(s.prompt_len for s in seqs)
         while any(s.prefilled < s.prompt_len for s in seqs):
             part = [s for s in seqs if s.prefilled < s.prompt_len]
             starts = [s.prefilled for s in part]
             lengths = [min(chunk, s.prompt_len - s.prefilled) for s in part]
             tokens = [t for s, a, n in zip(part, starts, lengths) for t in s.request.prompt[a : a + n]]
-            last = [s.prefilled + n == s.prompt_len for s, n in zip(part, lengths)]
-            logits = self._forward(part, tokens, starts, lengths, last)
+            emitted = [emit(s, a, n) for s, a, n in zip(part, starts, lengths)]
+            logits = self._forward(part, tokens, starts, lengths, emitted)
             for s, n in zip(part, lengths):
                 s.prefilled += n
-            self._sample([s for s, is_last in zip(part, last) if is_last], logits)
+            yield part, starts, emitted, logits
 
     def _decode(self, seqs: list[Sequence]) -> None:
         tokens = [s.tokens[-1] for s in seqs]
         starts = [s.prompt_len + len(s.tokens) - 1 for s in seqs]
-        logits = self._forward(seqs, tokens, starts, [1] * len(seqs), [True] * len(seqs))
+        logits = self._forward(seqs, tokens, starts, [1] * len(seqs), [[0]] * len(seqs))
         self._sample(seqs, logits)
 
-    def _forward(self, seqs: list[Sequence], tokens, starts, lengths, emit) -> torch.Tensor:
-        """One forward over the new tokens of `seqs`; logits of each sequence's last new token where `emit`."""
+    def _forward(self, seqs: list[Sequence], tokens, starts, lengths, emit: list[list[int]]) -> torch.Tensor:
+        """One forward over the new tokens of `seqs`; logits of the rows `emit[i]` of sequence i's new tokens."""
         for s, a, n in zip(seqs, starts, lengths):
             self.blocks.reserve(s.table, a + n)
         batch = SeqBatch.from_lengths(lengths, starts)
@@ -91,8 +135,11 @@ class RolloutEngine:
             cache.write(layer, new_slots, k, v)
             return ops.rollout_attention(q, cache.k[layer], cache.v[layer], batch, slot_table)
 
+        last_rows = torch.tensor([o + r for o, rows in zip(batch.offsets.tolist(), emit) for r in rows], dtype=torch.long)
+        if self.capture:
+            requests = torch.tensor([s.index for s in seqs])[batch.seq_of_token]
+            locate(self.capture, requests, batch.positions, last_rows)
         hidden = self.model.hidden_states(torch.tensor(tokens), batch, ops, attend, self.capture)
-        last_rows = (batch.offsets + batch.lengths - 1)[torch.tensor(emit)]
         return self.model.logits(hidden[last_rows], ops, self.capture)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
@@ -111,15 +158,20 @@ class RolloutEngine:
 
 
 def inference_copy(model: Qwen3ForCausalLM) -> Qwen3ForCausalLM:
-    """The model with its GEMM weights stored in fp32.
+    """The model with its GEMM weights stored in the dtype the GEMMs compute in (`gemm_dtype`).
 
-    Every kernel set computes GEMMs in fp32 and rounds the result to the model dtype, so an fp32 copy of
-    a bf16 weight gives the same bits while sparing the upcast on every decode step.
+    Every kernel set rounds a GEMM's result to the model dtype, so an fp32 copy of an fp16 weight gives
+    the same bits while sparing the upcast on every decode step; bf16 weights stay bf16 where the GEMM
+    is native. A model that already is an inference copy is returned as it is: engines share it.
     """
+    if getattr(model, "is_inference_copy", False):
+        return model
     twin = copy.deepcopy(model)
+    gemm = gemm_dtype(model.dtype)
     for name, param in twin.named_parameters():
         if name.endswith("proj.weight") or name.endswith("_proj") or name.endswith("gate.weight") or name == "lm_head.weight":
-            param.data = param.data.float()
-    if model.config.tie_word_embeddings:
-        twin.lm_head.weight = torch.nn.Parameter(twin.model.embed_tokens.weight.float(), requires_grad=False)
+            param.data = param.data.to(gemm)
+    if model.config.tie_word_embeddings and gemm != model.dtype:
+        twin.lm_head.weight = torch.nn.Parameter(twin.model.embed_tokens.weight.to(gemm), requires_grad=False)
+    twin.is_inference_copy = True
     return twin

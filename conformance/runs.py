@@ -1,0 +1,34 @@
+"""The two calls most properties start from, with the Stack API contract checked on the way."""
+
+from __future__ import annotations
+
+from logdiff.engine import Request, RolloutOutput
+from logdiff.runner import engine_options
+from logdiff.stacks import EngineOptions, Stack
+from logdiff.workload import Workload
+
+from .bitwise import check_rollout
+
+
+def rollout(stack: Stack, requests: list[Request], options: EngineOptions = EngineOptions()) -> list[RolloutOutput]:
+    __tracebackhide__ = True
+    outputs = stack.rollout(requests, options)
+    check_rollout(outputs, requests)
+    return outputs
+
+
+def rollout_and_sequences(stack: Stack, workload: Workload):
+    """The workload's rollout, and what a trainer scores next: (outputs, sequences, score_from, temperatures)."""
+    __tracebackhide__ = True
+    requests = workload.requests()
+    outputs = rollout(stack, requests, engine_options(workload))
+    sequences = [list(r.prompt) + o.tokens for r, o in zip(requests, outputs)]
+    return outputs, sequences, [len(r.prompt) for r in requests], [r.temperature for r in requests]
+
+
+def assert_rollout_matches_trainer(stack: Stack, workload: Workload, bitwise) -> None:
+    """The headline: every sampled token's rollout log-prob equals the trainer's recomputation, bit for bit."""
+    __tracebackhide__ = True
+    outputs, sequences, score_from, temperatures = rollout_and_sequences(stack, workload)
+    trainer = stack.trainer_logprobs(sequences, score_from, temperatures)
+    bitwise.logprobs([o.logprobs for o in outputs], trainer, ("rollout", "trainer"))

@@ -1,0 +1,22 @@
+"""C5: chunked-prefill invariance. Prefilling prompts in chunks (aligned or not with the 128-key KV
+block, down to one token per forward) gives the same tokens and log-probs as prefilling each prompt at once."""
+
+import pytest
+
+from logdiff.stacks import EngineOptions
+from logdiff.workload import Workload
+
+from .runs import rollout
+
+WORKLOAD = Workload(prompt_lens=(127, 128, 129, 300, 17), batch_size=5, max_new_tokens=6, stagger=1)
+
+
+@pytest.fixture(scope="module")
+def whole_prompts(stack_for):
+    return rollout(stack_for(WORKLOAD), WORKLOAD.requests())
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 100, 128])
+def test_c5_chunked_prefill_invariance(stack_for, bitwise, whole_prompts, chunk):
+    chunked = rollout(stack_for(WORKLOAD), WORKLOAD.requests(), EngineOptions(prefill_chunk=chunk))
+    bitwise.rollouts(whole_prompts, chunked, ("whole-prompt prefill", f"prefill in chunks of {chunk}"))

@@ -1,0 +1,29 @@
+"""C6: KV layout invariance. The page size of the paged KV cache and the order of the pages in the
+block tables change where keys live, never the tokens or log-probs."""
+
+import pytest
+
+from logdiff.stacks import EngineOptions
+from logdiff.workload import Workload
+
+from .runs import rollout
+
+WORKLOAD = Workload(prompt_lens=(1, 127, 129, 300), batch_size=4, max_new_tokens=6, stagger=1)
+LAYOUTS = {
+    "page-1": EngineOptions(page_size=1),
+    "page-16": EngineOptions(page_size=16),
+    "page-256": EngineOptions(page_size=256),
+    "page-16-shuffled": EngineOptions(page_size=16, shuffle_pages=1),
+    "page-128-shuffled": EngineOptions(shuffle_pages=2),
+}
+
+
+@pytest.fixture(scope="module")
+def default_layout(stack_for):
+    return rollout(stack_for(WORKLOAD), WORKLOAD.requests())
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_c6_kv_layout_invariance(stack_for, bitwise, default_layout, layout):
+    other = rollout(stack_for(WORKLOAD), WORKLOAD.requests(), LAYOUTS[layout])
+    bitwise.rollouts(default_layout, other, ("default KV layout", layout))

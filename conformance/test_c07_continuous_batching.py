@@ -1,0 +1,31 @@
+"""C7: continuous batching. A request's tokens and log-probs do not depend on who else is running when
+it joins, nor on requests leaving the batch while it decodes: each equals the request run alone."""
+
+import dataclasses
+
+import pytest
+
+from logdiff.workload import Workload
+
+from .runs import rollout
+
+PROMPTS = Workload(prompt_lens=(17, 129, 64, 300), batch_size=4, max_new_tokens=8).requests()
+JOINS = ((0, 8), (0, 8), (2, 8), (5, 8))  # (arrival step, new tokens) per request
+SCHEDULES = {  # name: (schedule, temperature)
+    "joins": (JOINS, 0.0),
+    "joins-and-leaves": (((0, 10), (1, 4), (3, 7), (4, 3)), 0.0),
+    "joins-sampled": (JOINS, 1.0),
+}
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_c7_continuous_batching(stack_for, bitwise, schedule):
+    stack = stack_for(Workload())
+    steps, temperature = SCHEDULES[schedule]
+    requests = [
+        dataclasses.replace(r, arrival=arrival, max_new_tokens=new, temperature=temperature)
+        for r, (arrival, new) in zip(PROMPTS, steps)
+    ]
+    scheduled = rollout(stack, requests)
+    alone = [rollout(stack, [dataclasses.replace(r, arrival=0)])[0] for r in requests]
+    bitwise.rollouts(scheduled, alone, (f"schedule {schedule}", "alone"))

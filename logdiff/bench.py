@@ -1,0 +1,174 @@
+"""`logdiff bench`: Eager-mode throughput of stacks side by side, as ratios with spread.
+
+Every case is timed `--repeats` times on every stack, interleaved (reference, baseline, naive, hf,
+reference, ...) after one untimed warm-up run per stack and case, so slow drift of the machine (other
+jobs, thermals) hits all stacks alike. Rollout cases also compare the generated token ids with the
+first stack's: every stack must generate the same number of tokens, and the share of equal ids is
+reported (greedy on the same weights: equal in fp32; in bf16 an unaligned stack's rounding flips
+near-ties, after which its sequence differs but costs the same).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+from logdiff import report, stacks
+from logdiff.bench_cases import CASES, Measurement, measure, token_agreement
+from logdiff.bench_kernels import KERNEL_CASES, KERNEL_STACKS, measure_kernel
+from logdiff.errors import UserError
+
+DEFAULT_STACKS = ("reference", "baseline", "naive", "hf")
+MODEL_CASES = tuple(CASES)
+ALL_CASES = MODEL_CASES + tuple(KERNEL_CASES)
+
+
+def add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="Eager-mode throughput of stacks, interleaved, as ratios with spread; JSON, badge, plot")
+    p.add_argument("--stack", action="append", dest="stacks", metavar="NAME",
+                   help=f"stack to time, repeatable (default: {', '.join(DEFAULT_STACKS)}); the first is the numerator of every ratio")
+    p.add_argument("--model", default="qwen3-moe-small", help="named config or checkpoint directory (default qwen3-moe-small)")
+    p.add_argument("--dtype", default="bf16", help="fp32, bf16 or fp16 (default bf16)")
+    p.add_argument("--case", action="append", dest="cases", metavar="CASE",
+                   help=f"case to time, repeatable: {', '.join(ALL_CASES)}, 'model' (the first {len(MODEL_CASES)}, "
+                        "the default) or 'all'; the kernel cases run at qwen3-30b-a3b shapes whatever --model says")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per stack and case (default 5)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's default, one per core)")
+    p.add_argument("--out", metavar="DIR", help="folder for JSON, badge and plot (default results/<machine>/bench)")
+    p.set_defaults(func=cmd_bench)
+
+
+def selected_cases(names: list[str] | None) -> list[str]:
+    chosen: list[str] = []
+    for name in names or ["model"]:
+        expanded = {"model": MODEL_CASES, "all": ALL_CASES}.get(name, (name,))
+        for case in expanded:
+            if case not in ALL_CASES:
+                raise UserError(f"unknown case {case!r}; choose from {', '.join(ALL_CASES)}, model or all")
+            if case not in chosen:
+                chosen.append(case)
+    return chosen
+
+
+def cmd_bench(args) -> int:
+    from logdiff.bench_output import print_summary, write_outputs
+    from logdiff.weights import ModelSpec, parse_dtype
+
+    if args.repeats < 1:
+        raise UserError(f"--repeats {args.repeats} is not positive; pass 1 or more (3-5 give a spread)")
+    parse_dtype(args.dtype)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError(f"--threads {args.threads} is not positive; pass 1 or more, or leave it out")
+        torch.set_num_threads(args.threads)
+    names = args.stacks or list(DEFAULT_STACKS)
+    for name in names:
+        stacks.resolve(name)
+    cases = selected_cases(args.cases)
+    ModelSpec(args.model).config()
+    out = report.output_dir(args.out or report.results_dir("bench"), "--out")
+
+    result = run_bench(names, cases, args.model, args.dtype, args.repeats)
+    print_summary(result)
+    for path in write_outputs(result, out):
+        print(f"wrote {path}")
+    return 0
+
+
+def run_bench(names: list[str], cases: list[str], model: str, dtype: str, repeats: int) -> dict:
+    """Times every case on every stack; returns the raw measurements, the token checks and the load."""
+    from tqdm import tqdm
+
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    runs = sum((len(names) if c in CASES else len(KERNEL_STACKS)) * (repeats + 1) for c in cases)
+    results: dict[str, dict] = {}
+    with tqdm(total=runs, desc="logdiff bench", unit="run", file=sys.stderr, dynamic_ncols=True) as bar:
+        for case in cases:
+            if case in CASES:
+                results[case] = _bench_model_case(CASES[case], names, model, dtype, repeats, bar)
+            else:
+                results[case] = _bench_kernel_case(case, dtype, repeats, bar)
+    return {
+        "model": model, "dtype": dtype, "stacks": names, "cases": results, "repeats": repeats,
+        "loadavg": {"before": list(load_before), "after": list(os.getloadavg())},
+        "threads": torch.get_num_threads(), "wall_seconds": time.perf_counter() - started,
+    }
+
+
+def _bench_model_case(case, names, model, dtype, repeats, bar) -> dict:
+    workload = case.workload(model, dtype)
+    workload.validate()
+    built, skipped = {}, {}
+    for name in names:
+        bar.set_postfix_str(f"{case.name}: building {name}")
+        try:
+            built[name] = stacks.build(name, workload.spec, workload.torch_dtype, workload.max_model_len)
+        except stacks.Unsupported as e:
+            skipped[name] = str(e)
+    timings: dict[str, list[Measurement]] = {name: [] for name in built}
+    for rep in range(repeats + 1):  # repeat 0 warms up
+        for name, stack in list(built.items()):
+            bar.set_postfix_str(f"{case.name}: {name} {'warm-up' if rep == 0 else f'{rep}/{repeats}'}")
+            try:
+                m = measure(stack, case, workload)
+            except stacks.Unsupported as e:
+                skipped[name] = str(e)
+                del built[name], timings[name]
+                bar.update(repeats + 1 - rep)
+                continue
+            if rep:
+                timings[name].append(m)
+            bar.update(1)
+    del built  # free the models before the next case builds its own
+    return {
+        "kind": case.kind, "describe": case.describe(), "batch": case.batch, "prompt_len": case.prompt_len,
+        "new_tokens": case.new_tokens, "counted_tokens": case.counted_tokens,
+        "tokens_per_s": {name: [m.tokens_per_s for m in ms] for name, ms in timings.items()},
+        "seconds": {name: [m.seconds for m in ms] for name, ms in timings.items()},
+        "token_check": _token_check(timings),
+        "skipped": skipped,
+    }
+
+
+def _token_check(timings: dict[str, list[Measurement]]) -> dict:
+    """Each stack's generated ids against the first stack's (every repeat's, so a nondeterministic stack shows)."""
+    with_ids = {name: ms for name, ms in timings.items() if ms and ms[0].token_ids is not None}
+    if not with_ids:
+        return {}
+    first_name, first = next(iter(with_ids.items()))
+    reference_ids = first[0].token_ids
+    check = {}
+    for name, ms in with_ids.items():
+        agreements = [token_agreement(reference_ids, m.token_ids) for m in ms]
+        worst = min(agreements, key=lambda a: (a["same_counts"], a["equal_ids"]))
+        check[name] = {"against": first_name, **worst}
+    return check
+
+
+def _bench_kernel_case(case: str, dtype: str, repeats: int, bar) -> dict:
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    spec = KERNEL_CASES[case]
+    inputs = spec.inputs(torch_dtype)
+    outputs, times = {}, {name: [] for name in KERNEL_STACKS}
+    for rep in range(repeats + 1):
+        for name in KERNEL_STACKS:
+            bar.set_postfix_str(f"{case}: {name} {'warm-up' if rep == 0 else f'{rep}/{repeats}'}")
+            seconds, out = measure_kernel(spec, name, inputs)
+            if rep:
+                times[name].append(seconds)
+            else:
+                outputs[name] = out
+            bar.update(1)
+    first = outputs[KERNEL_STACKS[0]].float()
+    return {
+        "kind": "kernel", "describe": spec.describe, "counted_tokens": spec.tokens,
+        "tokens_per_s": {name: [spec.tokens / s for s in ts] for name, ts in times.items()},
+        "seconds": times,
+        "output_check": {name: {"against": KERNEL_STACKS[0], "max_abs_diff": float((o.float() - first).abs().max()),
+                                "max_abs_reference": float(first.abs().max())} for name, o in outputs.items()},
+        "skipped": {},
+    }

@@ -1,0 +1,143 @@
+"""The Eager-mode throughput cases, and how one is timed on one stack.
+
+`logdiff bench`, the pytest-benchmark files in perf/ and the asv benchmarks all time these cases
+through the stack API only, so every stack (built-in or third-party) is timed doing the same calls:
+
+  trainer      forward + backward of the trainer over whole sequences; tokens/s counts every token
+  prefill      rollout of one token per request; tokens/s counts prompt tokens
+  decode-bB    rollout at batch B: time of an N-token rollout minus the time of a 1-token rollout of
+               the same requests (the prefill), so tokens/s counts the B x (N - 1) decode tokens
+  rl-step      rollout, then the trainer's recompute of the rollout's log-probs; tokens/s counts
+               response tokens
+
+All requests of a case share one prompt length and join at once (greedy, no stagger), so every stack
+gets the same work, and `max_model_len` is the case's own context rounded up to 128 (the setting most
+favourable to `naive`, whose attention spans max_model_len).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+
+from logdiff.engine import Request
+from logdiff.stacks import Stack
+from logdiff.workload import Workload
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kind: str  # trainer | prefill | decode | rl-step
+    batch: int
+    prompt_len: int
+    new_tokens: int
+
+    def workload(self, model: str, dtype: str, seed: int = 0) -> Workload:
+        return Workload(model=model, dtype=dtype, batch_size=self.batch, prompt_lens=(self.prompt_len,),
+                        max_new_tokens=self.new_tokens, stagger=0, seed=seed)
+
+    @property
+    def counted_tokens(self) -> int:
+        """The tokens its tokens/s counts."""
+        if self.kind == "trainer":
+            return self.batch * (self.prompt_len + self.new_tokens)
+        if self.kind == "prefill":
+            return self.batch * self.prompt_len
+        if self.kind == "decode":
+            return self.batch * (self.new_tokens - 1)
+        return self.batch * self.new_tokens
+
+    def describe(self) -> str:
+        if self.kind == "trainer":
+            return f"forward+backward, {self.batch} x {self.prompt_len + self.new_tokens} tokens"
+        if self.kind == "prefill":
+            return f"{self.batch} prompts x {self.prompt_len} tokens"
+        return f"batch {self.batch}, prompt {self.prompt_len}, {self.new_tokens} new tokens"
+
+
+DECODE_BATCHES = (1, 8, 32, 64)
+
+CASES: dict[str, Case] = {
+    c.name: c
+    for c in (
+        Case("trainer", "trainer", batch=4, prompt_len=128, new_tokens=128),
+        Case("prefill", "prefill", batch=8, prompt_len=128, new_tokens=1),
+        *(Case(f"decode-b{b}", "decode", batch=b, prompt_len=64, new_tokens=32) for b in DECODE_BATCHES),
+        Case("rl-step", "rl-step", batch=8, prompt_len=64, new_tokens=32),
+    )
+}
+
+
+@dataclass
+class Measurement:
+    seconds: float
+    tokens: int
+    token_ids: list[list[int]] | None  # what a rollout case generated; None for the trainer
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+def measure(stack: Stack, case: Case, workload: Workload) -> Measurement:
+    """Times `case` once on `stack`."""
+    requests = workload.requests()
+    if case.kind == "trainer":
+        # Whole sequences of prompt + response length; the response part is scored.
+        whole = dataclasses.replace(workload, prompt_lens=(case.prompt_len + case.new_tokens,)).requests()
+        return Measurement(_time_trainer_step(stack, [r.prompt for r in whole], case.prompt_len), case.counted_tokens, None)
+    if case.kind == "prefill":
+        seconds, outputs = _time_rollout(stack, _with_new_tokens(requests, 1))
+        return Measurement(seconds, case.counted_tokens, outputs)
+    if case.kind == "decode":
+        prefill, _ = _time_rollout(stack, _with_new_tokens(requests, 1))
+        full, outputs = _time_rollout(stack, requests)
+        return Measurement(full - prefill, case.counted_tokens, outputs)
+    start = time.perf_counter()
+    rollout = stack.rollout(requests)
+    sequences = [list(r.prompt) + o.tokens for r, o in zip(requests, rollout)]
+    stack.trainer_logprobs(sequences, [len(r.prompt) for r in requests], [r.temperature for r in requests])
+    return Measurement(time.perf_counter() - start, case.counted_tokens, [o.tokens for o in rollout])
+
+
+def _with_new_tokens(requests: list[Request], n: int) -> list[Request]:
+    return [Request(r.prompt, n, r.temperature, r.seed, r.arrival) for r in requests]
+
+
+def _time_rollout(stack: Stack, requests: list[Request]) -> tuple[float, list[list[int]]]:
+    start = time.perf_counter()
+    outputs = stack.rollout(requests)
+    seconds = time.perf_counter() - start
+    return seconds, [o.tokens for o in outputs]
+
+
+def _time_trainer_step(stack: Stack, sequences, score_from: int) -> float:
+    """Forward + backward of the summed log-probs with respect to every trainer parameter."""
+    params = list(stack.trainer_parameters().values())
+    for p in params:
+        p.requires_grad_(True)
+    try:
+        start = time.perf_counter()
+        logprobs = stack.trainer_logprobs([list(s) for s in sequences], [score_from] * len(sequences),
+                                          [1.0] * len(sequences), grad=True)
+        torch.cat(logprobs).sum().backward()
+        return time.perf_counter() - start
+    finally:
+        for p in params:
+            p.grad = None
+            p.requires_grad_(False)
+
+
+def token_agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
+    """How `other`'s generated ids compare with `reference`'s: same count per request (the same work),
+    fraction of equal ids, and the first (request, index) where they differ."""
+    same_counts = [len(a) for a in reference] == [len(b) for b in other]
+    total = sum(len(a) for a in reference)
+    equal = sum(x == y for a, b in zip(reference, other) for x, y in zip(a, b))
+    first = next(((i, j) for i, (a, b) in enumerate(zip(reference, other)) for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return {"same_counts": same_counts, "equal_ids": equal, "ids": total,
+            "first_difference": None if first is None else {"request": first[0], "index": first[1]}}

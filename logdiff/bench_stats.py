@@ -1,0 +1,64 @@
+"""Ratios with spread, from interleaved repeats, and the targets and readings they are judged by.
+
+Repeat r times every stack back to back (A B A B ...), so the ratio of two stacks' throughputs within
+one repeat sees the same machine state; the spread of those per-repeat ratios is what is reported.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+# (label, numerator stack, denominator stack, what the ratio reads as)
+READINGS = (
+    ("cost of consistency", "reference", "baseline", "reference / baseline (below 1: consistency costs speed)"),
+    ("the claim", "reference", "naive", "reference / naive, claimed 1.2-1.6x"),
+    ("the peer", "reference", "hf", "reference / transformers on this machine"),
+)
+
+
+@dataclass(frozen=True)
+class Target:
+    case: str
+    numerator: str
+    denominator: str
+    at_least: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.case}: {self.numerator} / {self.denominator} >= {self.at_least:g}"
+
+
+# The issue's targets (qwen3-moe-small, bf16); reported, never asserted.
+TARGETS = (
+    Target("decode-b32", "reference", "baseline", 0.95),
+    Target("trainer", "reference", "baseline", 0.95),
+    Target("decode-b32", "reference", "naive", 1.6),
+    *(Target(f"decode-b{b}", "reference", "hf", 1.0) for b in (1, 8, 32, 64)),
+)
+
+
+def spread(values: list[float]) -> dict:
+    """Median, quartiles and range of repeated values."""
+    ordered = sorted(values)
+    if len(ordered) >= 2:
+        q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
+    else:
+        q1 = q3 = ordered[0]
+    return {"median": statistics.median(ordered), "q1": q1, "q3": q3, "min": ordered[0], "max": ordered[-1],
+            "n": len(ordered)}
+
+
+def paired_ratio(numerator: list[float], denominator: list[float]) -> dict:
+    """Spread of numerator[r] / denominator[r] over repeats r (throughputs measured side by side)."""
+    return spread([a / b for a, b in zip(numerator, denominator)])
+
+
+def fmt_spread(s: dict, unit: str = "") -> str:
+    return f"{s['median']:.3g}{unit} [{s['min']:.3g}-{s['max']:.3g}]"
+
+
+def claim_reading(ratio: float, low: float, high: float) -> str:
+    if ratio < low:
+        return "below the claimed range"
+    return "within the claimed range" if ratio <= high else "above the claimed range"

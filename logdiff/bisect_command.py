@@ -1,0 +1,189 @@
+"""`logdiff bisect --stack NAME`: the command line around `logdiff.bisect`, its text report, JSON and pictures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from logdiff import report, stacks
+from logdiff.bisect import (
+    KERNEL_PATH,
+    Bisection,
+    Finding,
+    NotReproduced,
+    RowDiff,
+    bisect,
+)
+from logdiff.capture import split_name
+from logdiff.errors import UserError
+from logdiff.options import add_workload_args, progress, stack_names, workload_from_args
+
+SHOWN_LAYERS = 4  # text table columns; the JSON and the heatmap hold every layer
+
+WHY = {
+    KERNEL_PATH: "its inputs are bitwise equal on both paths and its output is not: the op itself is not aligned",
+    "upstream / framework": "its inputs already differ: the difference came in before this op",
+}
+
+
+def add_bisect(sub) -> None:
+
+    p = sub.add_parser("bisect", help="find the first op where a stack's trainer and rollout engine differ, and why")
+    add_workload_args(p, stacks_default=("baseline",))
+    p.add_argument("--json", metavar="PATH",
+                   help="write the result as JSON here, and beside it PATH-logdiff.png and PATH-first-divergence.png")
+    p.set_defaults(func=cmd_bisect)
+
+
+def picture_paths(json_path: str) -> tuple[Path, Path]:
+    base = Path(json_path)
+    stem = base.with_suffix("") if base.suffix == ".json" else base
+    return stem.with_name(stem.name + "-logdiff.png"), stem.with_name(stem.name + "-first-divergence.png")
+
+
+def cmd_bisect(args) -> int:
+
+    workload = workload_from_args(args)
+    names = stack_names(args)
+    if len(names) != 1:
+        raise UserError(f"bisect examines one stack, got {len(names)} ({', '.join(names)}); pass --stack once")
+    if args.json:
+        report.check_writable(args.json)
+    progress(f"{names[0]}: building")
+    stack = stacks.build(names[0], workload.spec, workload.torch_dtype, workload.max_model_len)
+    try:
+        result = bisect(stack, workload, progress)
+    except stacks.Unsupported as e:
+        raise UserError(f"stack {names[0]!r} cannot run this workload ({e}); change the workload options") from None
+    except NotReproduced as e:
+        print(f"logdiff bisect: {e}: the stack is not run-to-run deterministic, so captures cannot be compared")
+        return 1
+    print(render(result))
+    if args.json:
+        _write(args.json, result, stack)
+    return 0
+
+
+def _write(path: str, result: Bisection, stack) -> None:
+    from logdiff.bisect_plots import plot_first_divergence, plot_logdiff
+
+    logdiff_png, heatmap_png = picture_paths(path)
+    title = f"logdiff bisect {result.stack}\n{_workload_line(result)}"
+    d = result.divergence
+    plot_logdiff(logdiff_png, result.logdiff, (d.seq, d.pos) if d else None, title)
+    written = [logdiff_png]
+    if result.first:
+        points, values = result.grid()
+        layer, point = split_name(result.first.point)
+        plot_first_divergence(
+            heatmap_png, points, values, (point, layer) if layer is not None else None,
+            f"{title}\nsequence {d.seq}, row at position {result.position}: first differing point "
+            f"{result.first.point} ({result.first.klass})\n{_outside_layers(result)}",
+        )
+        written.append(heatmap_png)
+    pictures = {"logdiff": logdiff_png.name, "first_divergence": heatmap_png.name if result.first else None}
+    envelope = report.envelope("bisect", result.workload.to_dict(), [{"name": result.stack, "describe": stack.describe()}],
+                               bisect=result.to_dict(), pictures=pictures)
+    report.write_json(path, envelope)
+    print("wrote " + ", ".join(map(str, [path, *written])))
+
+
+def _workload_line(b: Bisection) -> str:
+    w = b.workload
+    return (f"{w.model} {w.dtype}, {w.batch_size} requests, prompts {','.join(map(str, w.prompt_lens))}, "
+            f"{w.max_new_tokens} new tokens, temperature {w.temperature}, KV page {w.block_size}, stagger {w.stagger}")
+
+
+def render(b: Bisection) -> str:
+    c = b.comparison
+    lines = [
+        f"logdiff bisect {b.stack}: {_workload_line(b)}",
+        f"run: {c.tokens} tokens, {c.bitwise_equal_tokens} bitwise equal, max |logdiff| {report.fmt_float(c.max_abs_logdiff)}",
+    ]
+    d = b.divergence
+    if d is None:
+        lines.append("rollout and trainer agree bit for bit on every token: nothing to bisect")
+        return "\n".join(lines)
+    lines += [
+        f"first divergence: sequence {d.seq}, response token {d.pos} (scored from the row at position {b.position})",
+        f"  log-prob: rollout {d.rollout!r} ({d.rollout_bits})  trainer {d.trainer!r} ({d.trainer_bits})  "
+        f"|d| {report.fmt_float(b.logprob_abs_diff)}",
+        "  replayed with capture on: both paths gave the run's tokens and log-probs bit for bit",
+        "",
+    ]
+    if b.first is None:
+        lines.append("no capture point differs at this row: the difference comes after the last point the stack captures")
+        return "\n".join(lines)
+    lines += _finding("first capture point that differs for this row", b.first, b.logprob_abs_diff)
+    if b.origin:
+        prompt_len = b.position + 1 - d.pos
+        lines += [""] + _finding(f"where it came in (row at position {b.origin.position}, "
+                                 f"{_position_role(b.origin.position, prompt_len)})", b.origin)
+    lines += [""] + _table(b)
+    return "\n".join(lines)
+
+
+def _position_role(position: int, prompt_len: int) -> str:
+    scored = position + 1 - prompt_len
+    return f"it scores response token {scored}" if scored >= 0 else "a prompt row"
+
+
+def _finding(heading: str, f: Finding, logprob_abs_diff: float | None = None) -> list[str]:
+    lines = [f"{heading}: {f.point}  ->  {f.klass}"]
+    if not f.inputs:
+        lines.append("  inputs:   none: it is an input of the forward itself, fed by the framework")
+    for i, status in enumerate(f.inputs):
+        where = "this row" if status.scope == "token" else f"rows {status.positions[0]}..{status.positions[1]}"
+        state = "bitwise equal" if status.equal else _positions_text(status)
+        lines.append(f"  {'inputs:' if i == 0 else '':9} {status.name} ({where}): {state}")
+    lines += [f"  values:   {_values_text(f.diff)}",
+              f"  size:     max |diff| {report.fmt_float(f.diff.max_abs_diff)} here ({f.diff.differing} of {f.diff.elements} "
+              "elements differ)"]
+    if logprob_abs_diff is not None:
+        lines.append(f"            |d| {report.fmt_float(logprob_abs_diff)} at the final log-prob")
+    return lines + [f"  why:      {WHY[f.klass]}"]
+
+
+def _positions_text(status) -> str:
+    parts = []
+    if status.differing_positions:
+        parts.append("differ at rows " + _ranges(status.differing_positions))
+    if status.missing_positions:
+        parts.append("not captured at rows " + _ranges(status.missing_positions))
+    return "; ".join(parts)
+
+
+def _ranges(values: list[int]) -> str:
+    spans, start = [], values[0]
+    for prev, cur in zip(values, values[1:] + [None]):
+        if cur != prev + 1 if cur is not None else True:
+            spans.append(str(start) if start == prev else f"{start}..{prev}")
+            start = cur
+    return ", ".join(spans)
+
+
+def _values_text(diff: RowDiff) -> str:
+    if diff.shapes:
+        return f"shapes differ: {diff.shapes}"
+    rollout = f"{diff.rollout!r}" + (f" ({diff.rollout_bits})" if diff.rollout_bits else "")
+    trainer = f"{diff.trainer!r}" + (f" ({diff.trainer_bits})" if diff.trainer_bits else "")
+    return f"element {diff.index} of {diff.elements}: rollout {rollout}  trainer {trainer}"
+
+
+def _table(b: Bisection) -> list[str]:
+    points, values = b.grid()
+    layers = [split_name(f.point)[0] for f in (b.origin, b.first) if f and split_name(f.point)[0] is not None]
+    start = min(layers) if layers else 0
+    shown = range(start, min(b.num_layers, start + SHOWN_LAYERS))
+    rows = [{"point": p, **{f"layer {i}": _cell(values[r][i]) for i in shown}} for r, p in enumerate(points)]
+    note = "" if len(shown) == b.num_layers else f" (layers {shown.start}..{shown.stop - 1} of {b.num_layers})"
+    return [f"this row, point by point{note}: = bitwise equal, - not captured, else max |diff|",
+            report.table(rows), "  " + _outside_layers(b)]
+
+
+def _outside_layers(b: Bisection) -> str:
+    return ", ".join(f"{n} {_cell(0.0 if d.equal else d.max_abs_diff)}" for n, d in b.at_token.items()
+                     if not n.startswith("layers."))
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else "=" if value == 0 else f"{value:.2g}"

@@ -1,0 +1,151 @@
+"""Capture points: the named intermediate tensors of a forward, what each is computed from, and the
+recorder that `logdiff bisect` hands to a stack as `capture=`.
+
+Names, in forward order: `tokens`, `positions`, `embedding`; for each layer i, `layers.{i}.<point>` for
+every point of LAYER_POINTS; then `final_norm`, `logits`, `logprob`. A stack captures the points it can
+see (transformers, for one, has no module whose output is the rotated q/k); bisect compares the points
+both paths of a stack captured.
+
+The protocol a stack follows (see `logdiff.stacks`): before each forward it calls
+`locate(capture, request, position, head)` to say which (request, position) each packed row of that
+forward holds, then `capture(name, tensor)` at each point with the rows first: [N, ...] for token
+points, [len(head), ...] for `logits` and `logprob`, which exist only for the rows whose next token is
+scored or sampled. A plain `capture(name, tensor)` callable works too; it just learns no rows.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from logdiff.config import ModelConfig
+
+LAYER_POINTS = (
+    "input_norm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "rope_q", "rope_k", "attention", "o_proj",
+    "residual", "post_attention_norm", "router_logits", "topk_ids", "topk_weights", "experts", "combine", "mlp",
+    "output",
+)
+HEAD_POINTS = ("logits", "logprob")
+
+TOKEN = "token"  # the input's row for the same token
+CONTEXT = "context"  # the input's rows for every position up to the token's: the keys and values it attends to
+
+# What each point is computed from; "previous" is the previous layer's output (the embedding for layer 0).
+_LAYER_INPUTS = {
+    "input_norm": [("previous", TOKEN)],
+    "q_proj": [("input_norm", TOKEN)],
+    "k_proj": [("input_norm", TOKEN)],
+    "v_proj": [("input_norm", TOKEN)],
+    "q_norm": [("q_proj", TOKEN)],
+    "k_norm": [("k_proj", TOKEN)],
+    "rope_q": [("q_norm", TOKEN), ("positions", TOKEN)],
+    "rope_k": [("k_norm", TOKEN), ("positions", TOKEN)],
+    "attention": [("rope_q", TOKEN), ("rope_k", CONTEXT), ("v_proj", CONTEXT)],
+    "o_proj": [("attention", TOKEN)],
+    "residual": [("previous", TOKEN), ("o_proj", TOKEN)],
+    "post_attention_norm": [("residual", TOKEN)],
+    "router_logits": [("post_attention_norm", TOKEN)],
+    "topk_ids": [("router_logits", TOKEN)],
+    "topk_weights": [("router_logits", TOKEN)],
+    "experts": [("post_attention_norm", TOKEN), ("topk_ids", TOKEN)],
+    "combine": [("experts", TOKEN), ("topk_weights", TOKEN)],
+    "mlp": [("post_attention_norm", TOKEN)],
+    "output": [("residual", TOKEN), ("feed_forward", TOKEN)],  # mlp, or combine in an MoE layer
+}
+
+
+def point_names(num_layers: int) -> list[str]:
+    """Every capture point of a model with `num_layers` layers, in forward order."""
+    layers = [f"layers.{i}.{p}" for i in range(num_layers) for p in LAYER_POINTS]
+    return ["tokens", "positions", "embedding", *layers, "final_norm", *HEAD_POINTS]
+
+
+def split_name(name: str) -> tuple[int | None, str]:
+    """`layers.3.q_proj` -> (3, "q_proj"); `logits` -> (None, "logits")."""
+    if name.startswith("layers."):
+        _, layer, point = name.split(".", 2)
+        return int(layer), point
+    return None, name
+
+
+def direct_inputs(name: str, config: ModelConfig) -> list[tuple[str, str]]:
+    """(input point, scope) pairs `name` is computed from, whether or not a stack captures them."""
+    layer, point = split_name(name)
+    if layer is None:
+        last = f"layers.{config.num_hidden_layers - 1}.output"
+        return {
+            "embedding": [("tokens", TOKEN)],
+            "final_norm": [(last, TOKEN)],
+            "logits": [("final_norm", TOKEN)],
+            "logprob": [("logits", TOKEN)],
+        }.get(point, [])
+    named = {
+        "previous": f"layers.{layer - 1}.output" if layer else "embedding",
+        "positions": "positions",
+        "feed_forward": f"layers.{layer}." + ("combine" if config.layer_is_moe(layer) else "mlp"),
+    }
+    return [(named.get(source, f"layers.{layer}.{source}"), scope) for source, scope in _LAYER_INPUTS[point]]
+
+
+def captured_inputs(name: str, captured: set[str], config: ModelConfig) -> list[tuple[str, str]]:
+    """The nearest captured points `name` depends on: an input the stack did not capture is replaced by
+    its own inputs (a context scope stays a context scope), so e.g. attention without rope_q is checked
+    against q_norm and positions."""
+    found: list[tuple[str, str]] = []
+    todo = list(direct_inputs(name, config))
+    while todo:
+        source, scope = todo.pop(0)
+        if source in captured:
+            if (source, scope) not in found:
+                found.append((source, scope))
+            continue
+        todo += [(s, CONTEXT if CONTEXT in (scope, inner) else TOKEN) for s, inner in direct_inputs(source, config)]
+    order = {name: i for i, name in enumerate(point_names(config.num_hidden_layers))}
+    kept = [(s, scope) for s, scope in found if scope == CONTEXT or (s, CONTEXT) not in found]
+    return sorted(kept, key=lambda pair: order[pair[0]])
+
+
+def locate(capture, request: torch.Tensor, position: torch.Tensor, head: torch.Tensor | None = None) -> None:
+    """Tells a row-aware capture which (request, position) each row of the coming forward holds.
+
+    request [N] (-1 for padding rows), position [N], head: the rows whose logits and log-probs follow
+    (None: all N). Plain callables have no `locate` and are left alone.
+    """
+    announce = getattr(capture, "locate", None)
+    if announce is not None:
+        announce(request, position, head)
+
+
+class Recorder:
+    """A capture that keeps the rows of one request at positions <= `upto`, by point and position."""
+
+    def __init__(self, request: int, upto: int):
+        self.request = request
+        self.upto = upto
+        self.rows: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
+        self._token: tuple[list[int], list[int], int] | None = None  # (kept rows, their positions, all rows)
+        self._head: tuple[list[int], list[int], int] | None = None
+
+    def locate(self, request: torch.Tensor, position: torch.Tensor, head: torch.Tensor | None = None) -> None:
+        request, position = torch.as_tensor(request).flatten(), torch.as_tensor(position).flatten()
+        head = torch.arange(request.numel()) if head is None else torch.as_tensor(head, dtype=torch.long).flatten()
+        self._token = self._select(request, position)
+        self._head = self._select(request[head], position[head])
+
+    def _select(self, request: torch.Tensor, position: torch.Tensor) -> tuple[list[int], list[int], int]:
+        keep = ((request == self.request) & (position <= self.upto)).nonzero().squeeze(1)
+        return keep.tolist(), position[keep].tolist(), request.numel()
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> None:
+        located = self._head if name in HEAD_POINTS else self._token
+        if located is None:
+            raise RuntimeError(f"capture point {name!r} before any locate(): the stack must announce its rows first")
+        rows, positions, expected = located
+        if tensor.shape[0] != expected:
+            raise RuntimeError(f"capture point {name!r} has {tensor.shape[0]} rows but {expected} were located")
+        store = self.rows[name]
+        for row, pos in zip(rows, positions):
+            if pos in store:
+                raise RuntimeError(f"capture point {name!r}: position {pos} of request {self.request} captured twice")
+            store[pos] = tensor[row].detach().clone()

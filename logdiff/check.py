@@ -1,0 +1,258 @@
+"""`logdiff check --stack NAME`: the conformance catalogue on one stack, as a verdict per property.
+
+Runs `conformance/` (installed as logdiff.conformance) with pytest in this process, shows a progress
+line per test, prints a property x verdict table and writes under `results/<machine>/<stack>/`:
+`check.json` (the result envelope: every test with its outcome, message and compared figures),
+`check.md` (the table, failures, skips) and two offline SVG badges: `conformance.svg` (property
+verdicts) and `logdiff.svg` (max |rollout - trainer| over every rollout-vs-trainer comparison).
+Exit status 0 unless a property fails outside the expected-failures file; a property the stack
+declines entirely is reported as skipped (and the stack's verdict as partial), never as passed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from logdiff import report, stacks
+from logdiff.errors import UserError
+from logdiff.options import progress
+
+RESULT_FILES = ("check.json", "check.md", "conformance.svg", "logdiff.svg")
+
+
+def add_check(sub) -> None:
+    p = sub.add_parser(
+        "check", help="run the conformance catalogue (C1-C12) on one stack; exit 0 only if every property passes",
+    )
+    p.add_argument("--stack", required=True, metavar="NAME", help="the stack: built-in name, module:attr or entry point")
+    p.add_argument("--xfails-file", metavar="PATH", help="known gaps: one test id per line, reported as xfail")
+    p.add_argument("--property", action="append", dest="properties", metavar="ID",
+                   help="run only this property, repeatable, e.g. --property C3 (default: the whole catalogue)")
+    p.add_argument("--out", metavar="DIR", help="results folder (default results/<machine>/<stack>)")
+    p.set_defaults(func=cmd_check)
+
+
+def cmd_check(args) -> int:
+    import pytest
+
+    import logdiff.conformance as conformance
+
+    stacks.resolve(args.stack)
+    selected = _selected_properties(args.properties, conformance.CATALOGUE)
+    if args.xfails_file and not Path(args.xfails_file).is_file():
+        raise UserError(f"--xfails-file {args.xfails_file} is not a file; pass a text file with one test id per line")
+    out = _out_dir(args.out, args.stack)
+
+    # pytest's own terminal output gives way to the progress lines and the table; addopts (-ra) need it.
+    pytest_args = [str(Path(conformance.__file__).parent), f"--stack={args.stack}", "-p", "no:cacheprovider",
+                   "-p", "no:terminal", "-o", "addopts="]
+    if args.xfails_file:
+        pytest_args.append(f"--xfails-file={args.xfails_file}")
+    if args.properties:
+        pytest_args += ["-k", " or ".join(f"test_c{p[1:]}_" for p in selected)]
+    collector = Collector()
+
+    progress(f"logdiff check: stack {args.stack}, properties {', '.join(selected)}")
+    code = pytest.main(pytest_args, plugins=[collector])
+    if code == pytest.ExitCode.INTERRUPTED:
+        raise KeyboardInterrupt
+    if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED) or collector.errors:
+        raise RuntimeError(f"the conformance run did not complete (pytest exit {int(code)}): {'; '.join(collector.errors)}")
+
+    verdicts = summarise(collector.results, selected, conformance.CATALOGUE)
+    entry = {
+        "name": args.stack,
+        "describe": collector.stack_info.get("describe", {}),
+        "verdict": overall_verdict(verdicts),
+        "max_abs_logdiff": max_abs_logdiff(collector.results),
+        "properties": verdicts,
+        "tests": [asdict(r) for r in collector.results],
+    }
+    catalogue = {"catalogue": {p: conformance.CATALOGUE[p] for p in selected}, "xfails_file": args.xfails_file}
+    rows = table_rows(verdicts)
+    print(report.table(rows))
+    for r in collector.results:
+        if r.outcome == "fail":
+            print(f"\nFAIL {r.id}\n  " + r.message.replace("\n", "\n  "))
+    write_results(out, report.envelope("check", catalogue, [entry]), collector.header, rows, collector.results, entry)
+    print(f"\nwrote {', '.join(RESULT_FILES)} to {out}")
+    return 1 if entry["verdict"] == "fail" else 0
+
+
+def _selected_properties(requested, catalogue) -> list[str]:
+    if not requested:
+        return list(catalogue)
+    chosen = []
+    for p in requested:
+        pid = p.upper()
+        if pid not in catalogue:
+            raise UserError(f"unknown property {p!r}; choose from {', '.join(catalogue)}")
+        chosen.append(pid)
+    return [p for p in catalogue if p in chosen]
+
+
+def _out_dir(path: str | None, stack: str) -> Path:
+    return report.output_dir(path or report.results_dir(re.sub(r"[^\w.-]+", "_", stack)), "--out")
+
+
+# --------------------------------------------------------------------------- collecting test reports
+
+
+@dataclass
+class TestResult:
+    id: str
+    property: str
+    outcome: str | None = None  # pass, fail, xfail, xpass, skipped
+    seconds: float = 0.0
+    message: str = ""
+    compared: list = field(default_factory=list)
+
+
+class Collector:
+    """A pytest plugin: one TestResult per test, from its setup/call/teardown reports, and a progress line."""
+
+    def __init__(self):
+        self.by_id: dict[str, TestResult] = {}
+        self.errors: list[str] = []
+        self.header: list[str] = []
+        self.stack_info: dict = {}
+        self.total = 0
+
+    @property
+    def results(self) -> list[TestResult]:
+        return list(self.by_id.values())
+
+    def pytest_collectreport(self, report):
+        if report.failed:
+            self.errors.append(f"cannot collect {report.nodeid}: {report.longreprtext.strip().splitlines()[-1]}")
+
+    def pytest_collection_finish(self, session):
+        from logdiff.pytest_plugin import pytest_report_header, stack_info
+
+        self.total = len(session.items)
+        self.header = pytest_report_header(session.config)
+        self.stack_info = stack_info(session.config)
+        for line in self.header:
+            progress(line)
+        progress(f"{self.total} tests")
+
+    def pytest_warning_recorded(self, warning_message, when, nodeid, location):
+        import pytest
+
+
+        if isinstance(warning_message.message, pytest.PytestWarning):  # e.g. an xfails line naming no test
+            progress(f"warning: {warning_message.message}")
+
+    def pytest_runtest_logreport(self, report):
+        from logdiff.conformance import property_of
+
+        name = report.nodeid.split("::")[-1]
+        result = self.by_id.setdefault(report.nodeid, TestResult(name, property_of(name) or "?"))
+        result.seconds += report.duration
+        result.compared += [v for k, v in report.user_properties if k == "compared" and v not in result.compared]
+        outcome = _outcome(report)
+        if outcome == "fail" or (outcome and result.outcome is None):
+            result.outcome, result.message = outcome, ("" if outcome == "pass" else _message(report))
+        if report.when == "teardown":
+            result.outcome = result.outcome or "pass"
+            progress(f"[{len(self.by_id):>3}/{self.total}] {result.property:<4} {name}: {result.outcome} ({result.seconds:.1f}s)")
+
+
+def _outcome(report) -> str | None:
+    """The outcome a report decides, or None (a setup or teardown that went fine)."""
+    if hasattr(report, "wasxfail"):
+        return "xfail" if report.skipped else "xpass"
+    if report.skipped:
+        return "skipped"
+    if report.failed:
+        return "fail"
+    return "pass" if report.when == "call" else None
+
+
+def _message(report) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple):  # a skip: (path, line, "Skipped: reason")
+        return longrepr[2].removeprefix("Skipped: ")
+    crash = getattr(longrepr, "reprcrash", None)
+    text = crash.message if crash else str(longrepr or getattr(report, "wasxfail", ""))
+    where = "" if report.when == "call" else f"error in {report.when}: "
+    return where + re.sub(r"^[\w.]*(PropertyViolation|AssertionError): ", "", text)
+
+
+# --------------------------------------------------------------------------- verdicts and files
+
+
+def summarise(results: list[TestResult], selected: list[str], catalogue: dict) -> dict[str, dict]:
+    """Per property: counts per outcome, the verdict (fail > xfail > pass > skipped) and max |diff|."""
+    out = {}
+    for pid in selected:
+        tests = [r for r in results if r.property == pid]
+        counts = {o: sum(r.outcome == o for r in tests) for o in ("pass", "fail", "xfail", "xpass", "skipped")}
+        if counts["fail"]:
+            verdict = "fail"
+        elif counts["xfail"]:
+            verdict = "xfail"
+        elif counts["pass"] or counts["xpass"]:
+            verdict = "pass"
+        else:
+            verdict = "skipped"
+        diffs = [c["max_abs_diff"] for r in tests for c in r.compared]
+        out[pid] = {"meaning": catalogue[pid], "tests": len(tests), **counts, "verdict": verdict,
+                    "max_abs_diff": max(diffs) if diffs else None}
+    return out
+
+
+def overall_verdict(verdicts: dict[str, dict]) -> str:
+    """fail if a property fails; pass only if every property passes; partial if some were skipped or xfailed."""
+    found = {v["verdict"] for v in verdicts.values()}
+    return "fail" if "fail" in found else "pass" if found == {"pass"} else "partial"
+
+
+def max_abs_logdiff(results: list[TestResult]) -> float | None:
+    diffs = [c["max_abs_diff"] for r in results for c in r.compared if c["what"] == "rollout vs trainer"]
+    return max(diffs) if diffs else None
+
+
+def table_rows(verdicts: dict[str, dict]) -> list[dict]:
+    return [
+        {"property": pid, "what": v["meaning"].split(":")[0], "tests": v["tests"], "pass": v["pass"] + v["xpass"],
+         "fail": v["fail"], "xfail": v["xfail"], "skipped": v["skipped"], "verdict": v["verdict"],
+         "max abs diff": "-" if v["max_abs_diff"] is None else report.fmt_float(v["max_abs_diff"])}
+        for pid, v in verdicts.items()
+    ]
+
+
+def badges(verdicts: dict[str, dict], logdiff: float | None) -> dict[str, str]:
+    import anybadge
+
+    counts = {o: sum(v["verdict"] == o for v in verdicts.values()) for o in ("pass", "fail", "xfail", "skipped")}
+    value = ", ".join(f"{n} {o}" for o, n in counts.items() if n)
+    color = "red" if counts["fail"] else "yellowgreen" if counts["xfail"] or counts["skipped"] else "green"
+    if logdiff is None:
+        logdiff_value, logdiff_color = "n/a", "lightgrey"
+    else:
+        logdiff_value, logdiff_color = report.fmt_float(logdiff), "green" if logdiff == 0 else "red"
+    return {
+        "conformance.svg": anybadge.Badge("conformance", value, default_color=color).badge_svg_text,
+        "logdiff.svg": anybadge.Badge("max |logdiff|", logdiff_value, default_color=logdiff_color).badge_svg_text,
+    }
+
+
+def markdown(stack: str, header: list[str], rows: list[dict], results: list[TestResult]) -> str:
+    lines = [f"# logdiff check: `{stack}`", "", *[f"    {h}" for h in header], "", report.table(rows, fmt="github"), ""]
+    for title, outcome in (("Failures", "fail"), ("Known gaps (xfail)", "xfail"), ("Skipped", "skipped")):
+        listed = [r for r in results if r.outcome == outcome]
+        if listed:
+            lines += [f"## {title}", ""]
+            lines += [f"- `{r.id}`: " + r.message.replace("\n", "; ") for r in listed]
+            lines.append("")
+    return "\n".join(lines)
+
+
+def write_results(out: Path, envelope: dict, header, rows, results, entry) -> None:
+    report.write_json(out / "check.json", envelope)
+    report.write_text(out / "check.md", markdown(entry["name"], header, rows, results))
+    for name, svg in badges(entry["properties"], entry["max_abs_logdiff"]).items():
+        report.write_text(out / name, svg)

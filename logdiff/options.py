@@ -1,0 +1,67 @@
+"""Command-line options shared by the `logdiff` commands that run a workload."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from logdiff import stacks
+from logdiff.errors import UserError
+from logdiff.workload import DEFAULT_PROMPT_LENS, Workload
+
+DEFAULT_STACKS = ("reference", "baseline")
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UserError(f"{message}; see `{self.prog} --help`")
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 16,130") from None
+    if not values:
+        raise argparse.ArgumentTypeError("empty list; pass e.g. 16,130")
+    return values
+
+
+def add_workload_args(p: argparse.ArgumentParser, stacks_default=DEFAULT_STACKS) -> None:
+    d = Workload()
+    p.add_argument("--stack", action="append", dest="stacks", metavar="NAME",
+                   help=f"stack to test, repeatable: built-in, module:attr or entry point (default: {', '.join(stacks_default)})")
+    p.add_argument("--model", default=d.model, help=f"named config or checkpoint directory (default {d.model})")
+    p.add_argument("--dtype", default=d.dtype, help="fp32, bf16 or fp16 (default fp32)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"requests (default {d.batch_size})")
+    p.add_argument("--prompt-lens", type=int_list, default=DEFAULT_PROMPT_LENS,
+                   help="prompt length per request, cycled to the batch size (default %s)" % ",".join(map(str, DEFAULT_PROMPT_LENS)))
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help=f"tokens per response (default {d.max_new_tokens})")
+    p.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature, 0 = greedy (default 0)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of weights, prompts and sampling (default 0)")
+    p.add_argument("--block-size", type=int, default=d.block_size, help=f"KV cache page size (default {d.block_size})")
+    p.add_argument("--stagger", type=int, default=d.stagger,
+                   help=f"request i joins the running batch at engine step i*K (default {d.stagger}; 0 = all at once)")
+    p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill forward (default: whole prompt)")
+    p.set_defaults(stacks_default=stacks_default)
+
+
+def workload_from_args(args) -> Workload:
+    w = Workload(
+        model=args.model, dtype=args.dtype, batch_size=args.batch_size, prompt_lens=args.prompt_lens,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+        block_size=args.block_size, stagger=args.stagger, prefill_chunk=args.prefill_chunk,
+    )
+    w.validate()
+    return w
+
+
+def stack_names(args) -> list[str]:
+    names = args.stacks or list(args.stacks_default)
+    for name in names:
+        stacks.resolve(name)
+    return names
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,157 @@
+"""The pytest side of the conformance catalogue: `--stack` and `--xfails-file`, the report header
+(the stack, its versions and device), one stack per (model, dtype) built on first use, and the rule
+that a stack declining a property (`Unsupported`) is reported as skipped, never as passed.
+
+`conformance/conftest.py` imports these hooks and fixtures; `logdiff check` reads `STACK_INFO`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+
+from logdiff import stacks
+from logdiff.errors import UserError
+from logdiff.stacks import Stack, Unsupported
+from logdiff.workload import Workload
+
+DEFAULT_STACK = "reference"
+MAX_MODEL_LEN = 512  # room for the longest catalogue workload; one build serves every workload
+
+STACK_INFO = pytest.StashKey[dict]()
+_BUILT = pytest.StashKey[dict]()
+_XFAILS = pytest.StashKey[dict]()
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("logdiff", "logdiff conformance")
+    group.addoption(
+        "--stack", default=DEFAULT_STACK, metavar="NAME",
+        help="stack under test: a built-in name, module:attr, or a name registered under the entry-point "
+             f"group {stacks.ENTRY_POINT_GROUP} (default {DEFAULT_STACK})",
+    )
+    group.addoption(
+        "--xfails-file", metavar="PATH",
+        help="known gaps of this stack: one test id per line (file.py::test[params], test[params] or a test "
+             "function name; # starts a comment); those tests are reported as xfail",
+    )
+
+
+def pytest_configure(config):
+    name = config.getoption("--stack")
+    try:
+        stacks.resolve(name)
+    except UserError as e:
+        raise pytest.UsageError(str(e)) from None
+    path = config.getoption("--xfails-file")
+    config.stash[_XFAILS] = read_xfails(Path(path)) if path else {}
+    config.stash[_BUILT] = {}
+
+
+def read_xfails(path: Path) -> dict[str, int]:
+    """Test id -> line number."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise pytest.UsageError(f"cannot read --xfails-file {path} ({e.strerror}); pass a text file, one test id per line") from None
+    ids = {}
+    for number, line in enumerate(lines, 1):
+        test_id = line.split("#", 1)[0].strip()
+        if test_id:
+            # Node ids depend on where pytest runs from; keep the file name and what follows.
+            ids[test_id.rsplit("/", 1)[-1]] = number
+    return ids
+
+
+def _ids(item) -> set[str]:
+    return {item.name, item.originalname, f"{item.path.name}::{item.name}", f"{item.path.name}::{item.originalname}"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session, config, items):
+    xfails = config.stash[_XFAILS]
+    if not xfails:
+        return
+    used = set()
+    for item in items:
+        listed = _ids(item) & set(xfails)
+        if listed:
+            used |= listed
+            item.add_marker(pytest.mark.xfail(reason=f"known gap, listed in {config.getoption('--xfails-file')}", strict=False))
+    for test_id in sorted(set(xfails) - used, key=xfails.get):
+        warnings.warn(pytest.PytestWarning(f"--xfails-file line {xfails[test_id]}: {test_id!r} names no collected test"))
+
+
+def _declined_is_skipped(item):
+    try:
+        return (yield)
+    except Unsupported as e:
+        pytest.skip(f"stack {item.config.getoption('--stack')} declines: {e}")
+
+
+# Fixtures run in setup, tests in call: a stack may decline in either.
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _declined_is_skipped(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _declined_is_skipped(item))
+
+
+def build_stack(config, model: str, seed: int, dtype: str) -> Stack:
+    """The stack under test for this model and dtype, built once; a declined build is remembered."""
+    key = (model, seed, dtype)
+    built = config.stash[_BUILT]
+    if key not in built:
+        workload = Workload(model=model, seed=seed, dtype=dtype)
+        try:
+            built[key] = stacks.build(config.getoption("--stack"), workload.spec, workload.torch_dtype, MAX_MODEL_LEN)
+        except Unsupported as e:
+            built[key] = e
+    if isinstance(built[key], Unsupported):
+        raise built[key]
+    return built[key]
+
+
+def stack_info(config) -> dict:
+    """What `Stack.describe()` says about the stack (fp32, default model), plus the platform."""
+    if STACK_INFO not in config.stash:
+        name = config.getoption("--stack")
+        default = Workload()
+        try:
+            describe = build_stack(config, default.model, default.seed, default.dtype).describe()
+        except Unsupported as e:
+            describe = {"name": name, "unavailable": str(e)}
+        config.stash[STACK_INFO] = {"stack": name, "describe": describe, "platform": stacks.platform_info()}
+    return config.stash[STACK_INFO]
+
+
+def pytest_report_header(config):
+    info = stack_info(config)
+    describe = dict(info["describe"])
+    versions = describe.pop("versions", {})
+    lines = [f"logdiff conformance: stack {info['stack']}, device {describe.pop('device', 'unknown')}"]
+    if versions:
+        lines.append("  versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+    describe.pop("name", None)
+    if describe:
+        lines.append("  " + ", ".join(f"{k}: {v}" for k, v in describe.items()))
+    p = info["platform"]
+    lines.append(f"  platform: {p['machine']}, {p['processor']} ({p['cpu_capability']}), {p['threads']} threads")
+    return lines
+
+
+@pytest.fixture(scope="session")
+def stack_for(pytestconfig):
+    """stack_for(workload) -> the stack under test, built for the workload's model and dtype."""
+
+    def get(workload: Workload) -> Stack:
+        if workload.max_model_len > MAX_MODEL_LEN:
+            raise ValueError(f"catalogue workload needs {workload.max_model_len} positions, stacks are built with {MAX_MODEL_LEN}")
+        return build_stack(pytestconfig, workload.model, workload.seed, workload.dtype)
+
+    return get

@@ -1,0 +1,76 @@
+"""`logdiff bench` end to end on a tiny model, its statistics, its same-work check and its bad input."""
+
+import json
+
+import pytest
+
+from logdiff.bench_cases import token_agreement
+from logdiff.bench_stats import claim_reading, paired_ratio, spread
+from logdiff.cli import main
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    code = main(["bench", "--model", "qwen3-moe-tiny", "--dtype", "fp32", "--stack", "reference", "--stack", "naive",
+                 "--case", "decode-b1", "--case", "decode-b8", "--case", "trainer", "--repeats", "2", "--out", str(out)])
+    return code, out
+
+
+def test_bench_writes_envelope_badge_and_plot(bench_run):
+    code, out = bench_run
+    assert code == 0
+    data = json.loads((out / "bench-qwen3-moe-tiny-fp32.json").read_text())
+    assert data["schema"] == "logdiff/result/v1" and data["command"] == "bench"
+    assert [s["name"] for s in data["stacks"]] == ["reference", "naive"]
+    for stack in data["stacks"]:
+        assert set(stack["cases"]) == {"decode-b1", "decode-b8", "trainer"}
+        assert all(v > 0 for case in stack["cases"].values() for v in case["tokens_per_s"])
+        assert all(len(case["tokens_per_s"]) == 2 for case in stack["cases"].values())
+    claim = [r for r in data["ratios"] if r["reading"] == "the claim"]
+    assert {r["case"] for r in claim} == {"decode-b1", "decode-b8", "trainer"}
+    assert all(r["min"] <= r["median"] <= r["max"] for r in claim)
+    assert len(data["loadavg"]["before"]) == 3 and data["platform"]["threads"] >= 1
+    assert data["peers"]["figures"] and "own hardware" in data["peers"]["note"]
+    # greedy fp32 on the same weights: naive generated exactly the reference's tokens
+    check = data["checks"]["decode-b8"]["tokens"]["naive"]
+    assert check["same_counts"] and check["equal_ids"] == check["ids"] == 8 * 31 + 8
+    assert (out / "speedup-qwen3-moe-tiny-fp32.svg").read_text().lstrip().startswith("<?xml")
+    assert (out / "throughput-qwen3-moe-tiny-fp32.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_prints_ratios_and_peers(bench_run, capsys):
+    code = main(["bench", "--model", "qwen3-moe-tiny", "--dtype", "fp32", "--stack", "reference", "--stack", "naive",
+                 "--case", "decode-b1", "--repeats", "1", "--out", str(bench_run[1])])
+    text = capsys.readouterr().out
+    assert code == 0
+    assert "the claim (reference/naive)" in text and "decode-b1" in text
+    assert "published figures, each on its authors' own hardware" in text and "VeXact" in text
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--repeats", "0"], "--repeats 0 is not positive"),
+    (["--case", "decode-b3"], "unknown case 'decode-b3'"),
+    (["--stack", "no-such-stack"], "unknown stack 'no-such-stack'"),
+    (["--dtype", "fp8"], "unknown dtype 'fp8'"),
+    (["--threads", "0"], "--threads 0 is not positive"),
+])
+def test_bench_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path):
+    assert main(["bench", "--out", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_paired_ratio_takes_per_repeat_ratios():
+    s = paired_ratio([10.0, 20.0, 30.0], [5.0, 20.0, 10.0])  # ratios 2, 1, 3
+    assert (s["median"], s["min"], s["max"], s["n"]) == (2.0, 1.0, 3.0, 3)
+    assert spread([4.0])["q1"] == spread([4.0])["q3"] == 4.0
+    assert claim_reading(1.1, 1.2, 1.6) == "below the claimed range"
+    assert claim_reading(1.4, 1.2, 1.6) == "within the claimed range"
+
+
+def test_token_agreement_catches_less_work_and_other_ids():
+    ref = [[1, 2, 3], [4, 5, 6]]
+    assert token_agreement(ref, [[1, 2, 3], [4, 5]])["same_counts"] is False
+    other = token_agreement(ref, [[1, 2, 3], [4, 9, 6]])
+    assert other["same_counts"] and other["equal_ids"] == 5 and other["first_difference"] == {"request": 1, "index": 1}

@@ -1,0 +1,132 @@
+"""Proof on known causes: bisect names the op each ablation changes, in the layer where it first shows,
+with the right class; and it reports what it really finds for `baseline` and for transformers."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from logdiff.baselines.hf import HFStack
+from logdiff.baselines.hf_capture import capture_hooks, capture_logprobs
+from logdiff.kernels.ablations import BREAKS_ON
+
+from logdiff.bisect import KERNEL_PATH, UPSTREAM, bisect
+from logdiff.workload import Workload
+
+
+def _bisect(stack_cache, name, **fields):
+    w = Workload(**fields)
+    result = bisect(stack_cache(name, w), w)
+    _check_consistent(result)
+    return result
+
+
+def _check_consistent(b):
+    """What must hold whatever the cause: the named point is the first to differ at the row, its class
+    follows from its inputs, and the row scores the first divergent token of the run."""
+    d = b.divergence
+    assert (d.seq, d.pos) == (b.comparison.first_divergence.seq, b.comparison.first_divergence.pos)
+    names = list(b.at_token)
+    first = names.index(b.first.point)
+    assert all(b.at_token[n].equal for n in names[:first]) and not b.at_token[b.first.point].equal
+    assert b.first.position == b.position and not b.at_token["logprob"].equal
+    assert b.first.klass == (KERNEL_PATH if b.first.inputs and all(i.equal for i in b.first.inputs) else UPSTREAM)
+    assert (b.origin is not None) == (b.first.klass == UPSTREAM)
+    assert b.logprob_abs_diff == abs(d.rollout - d.trainer) > 0
+
+
+# (ablation, first point, why that op in that layer)
+ABLATION_FINDINGS = [
+    # The trainer attends from a left-padded buffer with an additive mask; the rollout is reference.
+    ("reference-no-mask", "layers.0.attention"),
+    # Decode GEMMs run unpadded with one row: q_proj, the first GEMM of a decode row, is the first to differ.
+    ("reference-no-order", "layers.0.q_proj"),
+    # The rollout merges 64-key blocks, the trainer 128-key blocks.
+    ("reference-no-blocks", "layers.0.attention"),
+    # The rollout rounds P to bf16 before P.V.
+    ("reference-no-precision", "layers.0.attention"),
+]
+
+
+@pytest.mark.parametrize("name, point", ABLATION_FINDINGS)
+def test_each_ablation_is_traced_to_the_op_it_changes(stack_cache, name, point):
+    b = _bisect(stack_cache, name, **BREAKS_ON[name])
+    assert (b.first.point, b.first.klass, b.origin) == (point, KERNEL_PATH, None)
+    assert all(i.equal for i in b.first.inputs) and b.first.inputs
+    prompt_len = b.position + 1 - b.divergence.pos
+    if name == "reference-no-order":
+        assert b.position >= prompt_len  # a decode row: the only rows whose GEMMs run with M = 1
+    if name == "reference-no-blocks":
+        assert b.position >= 64  # a row that sees a second 64-key block
+    if name == "reference-no-mask":
+        assert prompt_len == 5  # the short sequence, the one the trainer left-pads
+
+
+def test_the_reference_has_nothing_to_bisect(stack_cache):
+    w = Workload(**BREAKS_ON["reference-no-order"])
+    b = bisect(stack_cache("reference", w), w)
+    assert b.divergence is None and b.first is None and b.comparison.verdict == "pass"
+
+
+def test_baseline_prefill_attention_is_the_fused_sdpa_over_a_different_padding(stack_cache):
+    b = _bisect(stack_cache, "baseline", batch_size=2, prompt_lens=(20, 30), max_new_tokens=4, stagger=0)
+    assert (b.divergence.seq, b.divergence.pos) == (0, 0)
+    assert (b.first.point, b.first.klass) == ("layers.0.attention", KERNEL_PATH)
+
+
+def test_baseline_alone_is_traced_to_an_unpadded_expert_gemm(stack_cache):
+    """One 20-token request: the baseline's experts run each at its own row count, and those counts
+    differ between the rollout (20 prompt tokens, then 1-token decode steps) and the trainer (24 tokens).
+    Below the minimum rows a GEMM is not row-invariant, so an expert GEMM is the op that differs."""
+    b = _bisect(stack_cache, "baseline", batch_size=1, prompt_lens=(20,), max_new_tokens=4)
+    assert b.position == 19 and (b.first.point, b.first.klass) == ("layers.1.experts", KERNEL_PATH)
+    assert [i.name for i in b.first.inputs] == ["layers.1.post_attention_norm", "layers.1.topk_ids"]
+
+
+HF_WORKLOAD = dict(batch_size=2, prompt_lens=(20, 30), max_new_tokens=8, stagger=0)
+
+
+def test_hf_fp32_sdpa_differs_in_layer_0_attention(stack_cache):
+    """generate left-pads the 20-token prompt to 30; the trainer right-pads: sdpa over other shapes."""
+    b = _bisect(stack_cache, "hf", **HF_WORKLOAD)
+    assert (b.divergence.seq, b.position) == (0, 19)
+    assert (b.first.point, b.first.klass) == ("layers.0.attention", KERNEL_PATH)
+    assert {i.name for i in b.first.inputs} == {"positions", "layers.0.q_norm", "layers.0.k_norm", "layers.0.v_proj"}
+
+
+def test_hf_bf16_shows_upstream_in_layer_1_from_layer_0_attention_at_an_earlier_prompt_row(stack_cache):
+    """In bf16 layer 0's attention rounds to the same bits at the scored row, but not at prompt row 9:
+    layer 1 then attends to keys that already differ (upstream), and bisect names where they came in."""
+    b = _bisect(stack_cache, "hf", dtype="bf16", **HF_WORKLOAD)
+    assert (b.divergence.seq, b.position) == (0, 19)
+    assert (b.first.point, b.first.klass) == ("layers.1.attention", UPSTREAM)
+    keys = next(i for i in b.first.inputs if i.name == "layers.1.k_norm")
+    assert keys.scope == "context" and keys.differing_positions and max(keys.differing_positions) < 19
+    assert (b.origin.point, b.origin.klass) == ("layers.0.attention", KERNEL_PATH)
+    assert b.origin.position == min(keys.differing_positions) == 9
+
+
+class LeftPaddedTrainer(HFStack):
+    """A framework bug, not a kernel: the trainer left-pads and passes no position_ids, so transformers
+    counts the padding too and every row of a shorter sequence gets a shifted RoPE position."""
+
+    def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, capture=None):
+        width = max(len(s) for s in sequences)
+        pads = [width - len(s) for s in sequences]
+        ids = torch.tensor([[0] * pad + list(s) for s, pad in zip(sequences, pads)])
+        mask = (torch.arange(width)[None, :] >= torch.tensor(pads)[:, None]).long()
+        with capture_hooks(self.model, capture, list(range(len(sequences)))):
+            logits = self.model(input_ids=ids, attention_mask=mask).logits
+        out = [F.log_softmax(logits[i, pad + first - 1 : -1].float(), dim=-1).gather(1, ids[i, pad + first :, None]).squeeze(1)
+               for i, (pad, first) in enumerate(zip(pads, score_from))]
+        scored = [torch.arange(first - 1, len(s) - 1) for s, first in zip(sequences, score_from)]
+        capture_logprobs(capture, list(range(len(sequences))), scored, out)
+        return out
+
+
+def test_a_framework_bug_is_classed_upstream(stack_cache):
+    w = Workload(batch_size=2, prompt_lens=(20, 30), max_new_tokens=4, stagger=2)
+    b = bisect(LeftPaddedTrainer(w.spec, w.torch_dtype, w.max_model_len), w)
+    _check_consistent(b)
+    assert b.divergence.seq == 0
+    assert (b.first.point, b.first.klass, b.first.inputs) == ("positions", UPSTREAM, [])
+    assert b.first.diff.rollout == b.position and b.first.diff.trainer == b.position + 10
+    assert (b.origin.point, b.origin.position) == ("positions", 0)

@@ -1,0 +1,89 @@
+"""`logdiff check`: the property x verdict table, the exit status, the result files and badges, and
+one-line errors for bad input (before any test runs)."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from logdiff.conformance.test_c03_rollout_trainer import CASES as C3_CASES
+
+from logdiff.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def check(*args):
+    return subprocess.run([sys.executable, "-m", "logdiff", "check", *args], cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def failing(tmp_path_factory):
+    """reference-no-blocks through C3: the ablation must fail the workloads with contexts over 64 tokens."""
+    out = tmp_path_factory.mktemp("check") / "no-blocks"
+    return check("--stack", "reference-no-blocks", "--property", "C3", "--out", str(out)), out
+
+
+def test_failing_property_exits_1_with_table_and_divergence(failing):
+    result, _ = failing
+    assert result.returncode == 1, result.stderr[-3000:]
+    row = next(line for line in result.stdout.splitlines() if line.startswith("C3 "))
+    assert "rollout = trainer" in row and row.split()[-2] == "fail"
+    assert "FAIL test_c3_rollout_matches_trainer[breaks-no-blocks]" in result.stdout
+    assert "logprobs differ at seq 0 pos" in result.stdout
+    assert f"[{len(C3_CASES):>3}/{len(C3_CASES)}] C3   test_c3_rollout_matches_trainer[" in result.stderr  # progress
+
+
+def test_result_files_record_the_verdicts(failing):
+    _, out = failing
+    envelope = json.loads((out / "check.json").read_text())
+    assert envelope["command"] == "check" and envelope["schema"] == "logdiff/result/v1"
+    [stack] = envelope["stacks"]
+    assert stack["name"] == "reference-no-blocks" and stack["verdict"] == "fail"
+    assert stack["describe"]["versions"]["torch"].startswith("2.13.0")
+    c3 = stack["properties"]["C3"]
+    assert c3["tests"] == len(C3_CASES) and c3["fail"] >= 1 and c3["fail"] + c3["pass"] == len(C3_CASES)
+    broken = next(t for t in stack["tests"] if t["id"] == "test_c3_rollout_matches_trainer[breaks-no-blocks]")
+    assert broken["outcome"] == "fail" and "logprobs differ at seq" in broken["message"]
+    assert stack["max_abs_logdiff"] == c3["max_abs_diff"] > 0
+    assert "| C3 " in (out / "check.md").read_text() and "## Failures" in (out / "check.md").read_text()
+    badge = (out / "conformance.svg").read_text()
+    assert badge.startswith("<?xml") and "1 fail" in badge
+    assert f"{stack['max_abs_logdiff']:.3g}" in (out / "logdiff.svg").read_text()
+
+
+def test_xfailed_gaps_exit_0(failing, tmp_path):
+    _, out = failing
+    failed = [t["id"] for t in json.loads((out / "check.json").read_text())["stacks"][0]["tests"] if t["outcome"] == "fail"]
+    xfails = tmp_path / "xfails.txt"
+    xfails.write_text("\n".join(failed) + "\n")
+    result = check("--stack", "reference-no-blocks", "--property", "C3", "--xfails-file", str(xfails), "--out", str(tmp_path / "r"))
+    assert result.returncode == 0, result.stdout[-3000:]
+    stack = json.loads((tmp_path / "r" / "check.json").read_text())["stacks"][0]
+    assert stack["properties"]["C3"]["verdict"] == "xfail" and stack["properties"]["C3"]["xfail"] == len(failed)
+    assert "1 xfail" in (tmp_path / "r" / "conformance.svg").read_text()
+
+
+def test_passing_property_exits_0_with_green_badges(tmp_path):
+    result = check("--stack", "reference", "--property", "C12", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert re.search(r"\[\s*(\d+)/\1\] C12 ", result.stderr)  # the last progress line
+    stack = json.loads((tmp_path / "check.json").read_text())["stacks"][0]
+    assert stack["verdict"] == "pass" and stack["max_abs_logdiff"] == 0.0
+    assert "1 pass" in (tmp_path / "conformance.svg").read_text()
+    assert ">0<" in (tmp_path / "logdiff.svg").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--stack", "no-such-stack"], "unknown stack 'no-such-stack'"),
+    (["--stack", "reference", "--property", "C8"], "unknown property 'C8'; choose from C1, C2"),
+    (["--stack", "reference", "--xfails-file", "no/such/file.txt"], "--xfails-file no/such/file.txt is not a file"),
+    (["--stack", "reference", "--out", "pyproject.toml"], "--out pyproject.toml exists and is not a directory"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, monkeypatch, args, message):
+    monkeypatch.chdir(REPO)
+    assert main(["check", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

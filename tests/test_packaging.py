@@ -1,0 +1,28 @@
+"""kernels/ and baselines/ ship inside logdiff: no top-level `kernels` package may shadow Hugging Face's."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_installed_package_has_no_top_level_kernels_or_baselines(tmp_path):
+    probe = (
+        "import importlib.util as u, logdiff.kernels, logdiff.baselines.baseline;"
+        "print(u.find_spec('kernels'), u.find_spec('baselines'))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["None", "None"]
+
+
+def test_wheel_maps_the_top_level_folders_into_logdiff(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        check=True, capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("logdiff-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "logdiff/kernels/attention.py" in names and "logdiff/baselines/naive.py" in names
+    assert not [n for n in names if n.split("/")[0] in ("kernels", "baselines")]
