@@ -2,6 +2,7 @@
 so nothing can pull a CUDA build."""
 
 import platform
+import shutil
 from pathlib import Path
 
 import nox
@@ -21,7 +22,11 @@ def install(session, *extras):
 
 @nox.session(python=PYTHON)
 def tests(session):
-    """The harness's own tests, negative controls included."""
+    """The harness's own tests, negative controls included. tests/test_asv_pages.py opens the published
+    asv pages in a real headless browser: Debian's chromium is installed when missing."""
+    if not shutil.which("chromium"):
+        session.run("apt-get", "update", "-qq", external=True)
+        session.run("apt-get", "install", "-y", "-qq", "chromium", external=True, env={"DEBIAN_FRONTEND": "noninteractive"})
     install(session, "test")
     session.run("pytest", "tests", *session.posargs)
 
