@@ -10,6 +10,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+
 from logdiff.kernels import sampling
 from logdiff.kernels.activation import fused_silu_mul
 from logdiff.kernels.attention import Alignments, decode_attention
@@ -17,7 +18,6 @@ from logdiff.kernels.linear import plain_linear
 from logdiff.kernels.logsoftmax import fused_token_logprobs
 from logdiff.kernels.moe import grouped_experts
 from logdiff.kernels.norm import rms_norm
-
 from logdiff.kernelset import KernelSet
 
 _SPLIT_KV = Alignments(order=False)

@@ -13,9 +13,10 @@ from itertools import groupby
 
 import torch
 import torch.nn.functional as F
-from logdiff.baselines.hf_capture import capture_hooks, capture_logprobs
 
+from logdiff.baselines.hf_capture import capture_hooks, capture_logprobs
 from logdiff.engine import RolloutOutput
+from logdiff.kernels.logsoftmax import scoring_temperature
 from logdiff.stacks import EngineOptions, Stack, Unsupported
 
 
@@ -53,17 +54,12 @@ class HFStack(Stack):
         return dict(self.model.named_parameters())
 
     def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, capture=None):
-        width = max(len(s) for s in sequences)
-        ids = torch.zeros(len(sequences), width, dtype=torch.long)
-        mask = torch.zeros(len(sequences), width, dtype=torch.long)
-        for i, s in enumerate(sequences):
-            ids[i, : len(s)] = torch.tensor(s)
-            mask[i, : len(s)] = 1
+        ids, mask = _padded(sequences, left=False)
         with torch.set_grad_enabled(grad), capture_hooks(self.model, capture, list(range(len(sequences)))):
             logits = self.model(input_ids=ids, attention_mask=mask).logits
             out = []
             for i, (s, first, temp) in enumerate(zip(sequences, score_from, temperatures)):
-                rows = logits[i, first - 1 : len(s) - 1].float() / (temp if temp > 0 else 1.0)
+                rows = logits[i, first - 1 : len(s) - 1].float() / scoring_temperature(torch.tensor(temp))
                 target = torch.tensor(s[first:])
                 out.append(F.log_softmax(rows, dim=-1).gather(1, target[:, None]).squeeze(1))
         scored = [torch.arange(first - 1, len(s) - 1) for s, first in zip(sequences, score_from)]
@@ -85,12 +81,8 @@ class HFStack(Stack):
     def _generate(self, requests, indices: list[int], capture) -> list[RolloutOutput]:
         if len({(r.max_new_tokens, r.temperature) for r in requests}) > 1:
             raise Unsupported("one generate call needs one max_new_tokens and temperature per batch")
-        width = max(len(r.prompt) for r in requests)
-        ids = torch.zeros(len(requests), width, dtype=torch.long)
-        mask = torch.zeros(len(requests), width, dtype=torch.long)
-        for i, r in enumerate(requests):
-            ids[i, width - len(r.prompt) :] = torch.tensor(r.prompt)
-            mask[i, width - len(r.prompt) :] = 1
+        ids, mask = _padded([r.prompt for r in requests], left=True)
+        width = ids.shape[1]
         first = requests[0]
         sampling = dict(do_sample=False)
         if first.temperature > 0:
@@ -102,12 +94,24 @@ class HFStack(Stack):
                 output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None, **sampling,
             )
         tokens = gen.sequences[:, width:]
-        temp = first.temperature if first.temperature > 0 else 1.0
-        logits = torch.stack(gen.logits, dim=1).float() / temp  # raw logits, before any processor
+        # raw logits, before any processor
+        logits = torch.stack(gen.logits, dim=1).float() / scoring_temperature(torch.tensor(first.temperature))
         logp = F.log_softmax(logits, dim=-1).gather(2, tokens[..., None]).squeeze(2)
         steps = torch.arange(tokens.shape[1])
         capture_logprobs(capture, indices, [len(r.prompt) - 1 + steps for r in requests], list(logp))
         return [RolloutOutput(t.tolist(), lp.clone()) for t, lp in zip(tokens, logp)]
+
+
+def _padded(sequences, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) [B, longest]: right-padded for the trainer, left-padded for generate."""
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    mask = torch.zeros(len(sequences), width, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        cols = slice(width - len(s), width) if left else slice(0, len(s))
+        ids[i, cols] = torch.tensor(s)
+        mask[i, cols] = 1
+    return ids, mask
 
 
 def hf_stack(spec, dtype, max_model_len):

@@ -13,7 +13,6 @@ from functools import partial
 from logdiff.kernels import Alignments, reference_kernels
 from logdiff.kernels.attention import rollout_attention, train_attention
 from logdiff.kernels.moe import run_experts
-
 from logdiff.kernelset import KernelSet
 
 _ALIGNED = Alignments()

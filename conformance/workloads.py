@@ -9,10 +9,10 @@ import dataclasses
 from pathlib import Path
 
 import torch
-from logdiff.kernels.ablations import BREAKS_ON
 
 from logdiff.config import NAMED_CONFIGS
 from logdiff.engine import Request
+from logdiff.kernels.ablations import BREAKS_ON
 from logdiff.model import Qwen3ForCausalLM
 from logdiff.weights import load_state, random_state, save_checkpoint
 from logdiff.workload import Workload

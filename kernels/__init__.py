@@ -11,7 +11,6 @@ from logdiff.kernels.logsoftmax import token_logprobs
 from logdiff.kernels.moe import combine, grouped_experts, route
 from logdiff.kernels.norm import rms_norm
 from logdiff.kernels.sampling import sample
-
 from logdiff.kernelset import KernelSet
 
 __all__ = ["Alignments", "reference_kernels"]

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from logdiff.kernels.linear import MIN_ROWS
 
 from logdiff.batch import SeqBatch
+from logdiff.kernels.linear import MIN_ROWS
 
 KV_BLOCK = 128  # the Ascend kernels' KV block
 UNALIGNED_ROLLOUT_BLOCK = 64

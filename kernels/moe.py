@@ -14,6 +14,7 @@ straightforward implementation writes (naive's).
 
 import torch
 import torch.nn.functional as F
+
 from logdiff.kernels.activation import silu_mul
 from logdiff.kernels.linear import gemm_dtype, linear, min_rows
 

@@ -39,14 +39,9 @@ def cmd_analyze(args) -> int:
     c = analyze(old, rollout, mask)
     print(f"logdiff analyze {path}: {mask.shape[0]} sequences x {mask.shape[1]} response columns; "
           f"trainer = old_log_probs ({_dtype(old)}), rollout = rollout_log_probs ({_dtype(rollout)})")
-    print(report.table([{
-        "batch": path.name, "tokens": c.tokens, "bitwise equal": c.bitwise_equal_tokens,
-        "max |logdiff|": report.fmt_float(c.max_abs_logdiff), "mean |logdiff|": report.fmt_float(c.mean_abs_logdiff),
-        "verdict": c.verdict,
-    }]))
+    print(report.table([report.comparison_row("batch", path.name, c)]))
     if c.first_divergence:
-        d = c.first_divergence
-        print(f"{path.name}: first divergence at seq {d.seq} pos {d.pos}: rollout {d.rollout_bits} vs trainer {d.trainer_bits}")
+        print(report.divergence_line(path.name, c))
     print()
     print(report.table([{"metric": k, "value": f"{v:.6g}"} for k, v in c.metrics.items()]))
     if args.json:

@@ -67,3 +67,10 @@ class SeqBatch:
         rank = t[None, :] - shift
         valid = (rank >= 0) & (rank < self.lengths[:, None])
         return torch.where(valid, self.offsets[:, None] + rank, self.num_tokens)
+
+
+def check_score_from(sequences, score_from) -> None:
+    """Scoring starts after at least one token and inside the sequence: 1 <= score_from[s] <= len."""
+    for s, (seq, first) in enumerate(zip(sequences, score_from)):
+        if not 1 <= first <= len(seq):
+            raise ValueError(f"score_from {first} outside [1, {len(seq)}] for sequence {s}")

@@ -105,7 +105,7 @@ def measure(stack: Stack, case: Case, workload: Workload) -> Measurement:
 
 
 def _with_new_tokens(requests: list[Request], n: int) -> list[Request]:
-    return [Request(r.prompt, n, r.temperature, r.seed, r.arrival) for r in requests]
+    return [dataclasses.replace(r, max_new_tokens=n) for r in requests]
 
 
 def _time_rollout(stack: Stack, requests: list[Request]) -> tuple[float, list[list[int]]]:

@@ -67,7 +67,7 @@ def _write(path: str, result: Bisection, stack) -> None:
     from logdiff.bisect_plots import plot_first_divergence, plot_logdiff
 
     logdiff_png, heatmap_png = picture_paths(path)
-    title = f"logdiff bisect {result.stack}\n{_workload_line(result)}"
+    title = f"logdiff bisect {result.stack}\n{result.workload.describe()}"
     d = result.divergence
     plot_logdiff(logdiff_png, result.logdiff, (d.seq, d.pos) if d else None, title)
     written = [logdiff_png]
@@ -87,16 +87,10 @@ def _write(path: str, result: Bisection, stack) -> None:
     print("wrote " + ", ".join(map(str, [path, *written])))
 
 
-def _workload_line(b: Bisection) -> str:
-    w = b.workload
-    return (f"{w.model} {w.dtype}, {w.batch_size} requests, prompts {','.join(map(str, w.prompt_lens))}, "
-            f"{w.max_new_tokens} new tokens, temperature {w.temperature}, KV page {w.block_size}, stagger {w.stagger}")
-
-
 def render(b: Bisection) -> str:
     c = b.comparison
     lines = [
-        f"logdiff bisect {b.stack}: {_workload_line(b)}",
+        f"logdiff bisect {b.stack}: {b.workload.describe()}",
         f"run: {c.tokens} tokens, {c.bitwise_equal_tokens} bitwise equal, max |logdiff| {report.fmt_float(c.max_abs_logdiff)}",
     ]
     d = b.divergence

@@ -42,10 +42,8 @@ def cmd_run(args) -> int:
     if args.json:
         report.check_writable(args.json)
     dump = report.output_dir(args.dump, "--dump") if args.dump else None
-    print(f"logdiff {workload.model} {workload.dtype}: {workload.batch_size} requests, prompts "
-          f"{','.join(map(str, workload.prompt_lens))}, {workload.max_new_tokens} new tokens, "
-          f"temperature {workload.temperature}, KV page {workload.block_size}, stagger {workload.stagger}")
-    rows, results = [], []
+    print(f"logdiff run: {workload.describe()}")
+    rows, results, divergences = [], [], []
     for i, name in enumerate(names, 1):
         progress(f"[{i}/{len(names)}] {name}: building")
         try:
@@ -57,20 +55,14 @@ def cmd_run(args) -> int:
             results.append({"name": name, "verdict": "skipped", "reason": str(e)})
             continue
         c = run.comparison
-        rows.append({
-            "stack": name, "tokens": c.tokens, "bitwise equal": c.bitwise_equal_tokens,
-            "max |logdiff|": report.fmt_float(c.max_abs_logdiff), "mean |logdiff|": report.fmt_float(c.mean_abs_logdiff),
-            "verdict": c.verdict, "seconds": f"{run.seconds:.1f}",
-        })
+        rows.append({**report.comparison_row("stack", name, c), "seconds": f"{run.seconds:.1f}"})
         results.append({"name": name, **c.to_dict(), "seconds": run.seconds, "describe": stack.describe()})
+        divergences.append(report.divergence_line(name, c))
         if dump:
             _dump(dump / f"{name.replace(':', '_')}.safetensors", run)
     print(report.table(rows))
-    for r in results:
-        if r.get("first_divergence"):
-            d = r["first_divergence"]
-            print(f"{r['name']}: first divergence at seq {d['seq']} pos {d['pos']}: "
-                  f"rollout {d['rollout_bits']} vs trainer {d['trainer_bits']}")
+    for line in filter(None, divergences):
+        print(line)
     if args.json:
         report.write_json(args.json, report.envelope("run", workload.to_dict(), results))
         print(f"wrote {args.json}")

@@ -18,7 +18,7 @@ class KernelSet:
     route(router_logits [N, E], top_k, norm_topk_prob) -> ids [N, k], fp32 weights [N, k]
     experts(x [N, H], ids [N, k], gate_up [E, 2I, H], down [E, H, I]) -> [N, k, H]: expert ids[t, r] on token t
     combine(expert_out [N, k, H], weights [N, k]) -> [N, H]
-    token_logprobs(logits [N, V], targets [N], temperature [N]) -> fp32 [N]
+    token_logprobs(logits [N, V], targets [N], temperature [N]) -> fp32 [N]; temperature 0 scores at 1
     sample(logits [S, V], temperature [S], seeds [S], token_index [S]) -> tokens [S]
     """
 

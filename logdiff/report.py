@@ -105,5 +105,20 @@ def table(rows: list[dict], fmt: str = "simple") -> str:
     return tabulate(rows, headers="keys", tablefmt=fmt, disable_numparse=True)
 
 
+def comparison_row(label: str, name: str, c) -> dict:
+    """One table row of a `Comparison`, as `logdiff run` and `logdiff analyze` print it."""
+    return {
+        label: name, "tokens": c.tokens, "bitwise equal": c.bitwise_equal_tokens,
+        "max |logdiff|": fmt_float(c.max_abs_logdiff), "mean |logdiff|": fmt_float(c.mean_abs_logdiff), "verdict": c.verdict,
+    }
+
+
+def divergence_line(name: str, c) -> str | None:
+    d = c.first_divergence
+    if d is None:
+        return None
+    return f"{name}: first divergence at seq {d.seq} pos {d.pos}: rollout {d.rollout_bits} vs trainer {d.trainer_bits}"
+
+
 def fmt_float(x: float) -> str:
     return "0" if x == 0 else f"{x:.3g}"

@@ -94,18 +94,18 @@ class KernelStack(Stack):
         self.model = spec.build(dtype)
         self.trainer = Trainer(self.model, kernels)
         self.engine_model = inference_copy(self.model)
-        self.max_model_len = max_model_len
+
+    def engine(self, options: EngineOptions) -> RolloutEngine:
+        return RolloutEngine(self.engine_model, self.ops, options.page_size, options.prefill_chunk, options.shuffle_pages)
 
     def rollout(self, requests, options=EngineOptions(), capture: Capture = None):
-        engine = RolloutEngine(self.engine_model, self.ops, options.page_size, options.prefill_chunk, options.shuffle_pages)
-        return engine.generate(list(requests), capture)
+        return self.engine(options).generate(list(requests), capture)
 
     def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, capture: Capture = None):
         return self.trainer.logprobs(sequences, score_from, temperatures, grad=grad, capture=capture)
 
     def prompt_logprobs(self, sequences, score_from, temperatures, options=EngineOptions()):
-        engine = RolloutEngine(self.engine_model, self.ops, options.page_size, options.prefill_chunk, options.shuffle_pages)
-        return engine.prompt_logprobs(sequences, score_from, temperatures)
+        return self.engine(options).prompt_logprobs(sequences, score_from, temperatures)
 
     def trainer_parameters(self):
         return dict(self.model.named_parameters())

@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from logdiff.batch import SeqBatch
+from logdiff.batch import SeqBatch, check_score_from
 from logdiff.capture import locate
 from logdiff.kernelset import KernelSet
 from logdiff.model import Capture, Qwen3ForCausalLM
@@ -33,17 +33,16 @@ class Trainer:
 
         Temperature 0 (greedy rollout) scores at temperature 1.
         """
+        check_score_from(sequences, score_from)
         seqs = SeqBatch.from_lengths([len(s) for s in sequences])
         tokens = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
         # Row offsets[s] + i - 1 predicts token i of sequence s.
         rows, targets, temps, counts = [], [], [], []
         for s, (seq, first, temp) in enumerate(zip(sequences, score_from, temperatures)):
-            if not 1 <= first <= len(seq):
-                raise ValueError(f"score_from {first} outside [1, {len(seq)}] for sequence {s}")
             base = int(seqs.offsets[s])
             rows.append(torch.arange(base + first - 1, base + len(seq) - 1))
             targets.append(torch.as_tensor(seq[first:], dtype=torch.long))
-            temps.append(torch.full((len(seq) - first,), float(temp) if temp > 0 else 1.0))
+            temps.append(torch.full((len(seq) - first,), float(temp)))
             counts.append(len(seq) - first)
         if capture:
             locate(capture, seqs.seq_of_token, seqs.positions, torch.cat(rows))

@@ -79,6 +79,12 @@ class Workload:
             )
         return out
 
+    def describe(self) -> str:
+        chunk = f", prefill chunk {self.prefill_chunk}" if self.prefill_chunk else ""
+        return (f"{self.model} {self.dtype}, {self.batch_size} requests, prompts {','.join(map(str, self.prompt_lens))}, "
+                f"{self.max_new_tokens} new tokens, temperature {self.temperature}, KV page {self.block_size}, "
+                f"stagger {self.stagger}{chunk}")
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["prompt_lens"] = list(self.prompt_lens)

@@ -6,6 +6,7 @@ paths and still agree bit for bit."""
 import pytest
 import torch
 import torch.nn.functional as F
+
 from logdiff.kernels import moe
 from logdiff.kernels.linear import linear
 

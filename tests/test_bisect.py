@@ -4,11 +4,11 @@ with the right class; and it reports what it really finds for `baseline` and for
 import pytest
 import torch
 import torch.nn.functional as F
+
 from logdiff.baselines.hf import HFStack
 from logdiff.baselines.hf_capture import capture_hooks, capture_logprobs
-from logdiff.kernels.ablations import BREAKS_ON
-
 from logdiff.bisect import KERNEL_PATH, UPSTREAM, bisect
+from logdiff.kernels.ablations import BREAKS_ON
 from logdiff.workload import Workload
 
 

@@ -3,10 +3,10 @@
 import json
 
 import pytest
-from logdiff.kernels import reference_kernels
-from logdiff.kernels.ablations import BREAKS_ON
 
 from logdiff.cli import main
+from logdiff.kernels import reference_kernels
+from logdiff.kernels.ablations import BREAKS_ON
 from logdiff.stacks import KernelStack, Stack
 
 NO_BLOCKS = ["--stack", "reference-no-blocks", "--batch-size", "1", "--prompt-lens", "100", "--max-new-tokens", "4"]

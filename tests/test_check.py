@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from logdiff.conformance.test_c03_rollout_trainer import CASES as C3_CASES
 
 from logdiff.cli import main
+from logdiff.conformance.test_c03_rollout_trainer import CASES as C3_CASES
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -6,6 +6,8 @@ import dataclasses
 
 import pytest
 import torch
+
+from logdiff import stacks
 from logdiff.conformance import test_c01_determinism as c1
 from logdiff.conformance import test_c02_batch_invariance as c2
 from logdiff.conformance import test_c03_rollout_trainer as c3
@@ -25,8 +27,6 @@ from logdiff.conformance.workloads import (
 from logdiff.kernels import reference_kernels
 from logdiff.kernels.ablations import ABLATIONS
 from logdiff.kernels.moe import softmax
-
-from logdiff import stacks
 from logdiff.pytest_plugin import MAX_MODEL_LEN
 from logdiff.stacks import KernelStack
 from logdiff.weights import ModelSpec

@@ -1,11 +1,11 @@
 """The rollout engine's data structures and schedule."""
 
 import torch
-from logdiff.kernels import reference_kernels
 
 from logdiff.engine import Request, RolloutEngine
 from logdiff.engine.kv_cache import BlockManager, PagedKVCache
 from logdiff.engine.scheduler import Scheduler
+from logdiff.kernels import reference_kernels
 from logdiff.weights import ModelSpec
 
 

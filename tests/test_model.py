@@ -4,11 +4,11 @@ the same logits (to fp32 rounding) and the same greedy tokens; checkpoints round
 import pytest
 import torch
 import transformers
-from logdiff.baselines.hf import build_hf_model
-from logdiff.kernels import reference_kernels
 
+from logdiff.baselines.hf import build_hf_model
 from logdiff.batch import SeqBatch
 from logdiff.engine import Request, RolloutEngine
+from logdiff.kernels import reference_kernels
 from logdiff.weights import ModelSpec, save_checkpoint
 
 MODELS = ["qwen3-moe-tiny", "qwen3-dense-tiny"]

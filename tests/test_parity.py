@@ -2,6 +2,7 @@
 space; `baseline` and every ablation are not, each on the workload its docstring names."""
 
 import pytest
+
 from logdiff.kernels.ablations import ABLATIONS, BREAKS_ON
 
 MODELS = ["qwen3-moe-tiny", "qwen3-dense-tiny"]

@@ -1,6 +1,7 @@
 """Sampling is a pure function of (request seed, token index, logits): batch-invariant by construction."""
 
 import torch
+
 from logdiff.kernels.sampling import sample, uniform_noise
 
 

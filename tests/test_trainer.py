@@ -3,8 +3,8 @@ backward is deterministic."""
 
 import pytest
 import torch
-from logdiff.kernels import reference_kernels
 
+from logdiff.kernels import reference_kernels
 from logdiff.trainer import Trainer
 from logdiff.weights import ModelSpec
 

@@ -34,6 +34,6 @@ class RecomputeStack(Stack):
             hidden = model.hidden_states(torch.tensor(tokens), seqs, ops, lambda _, q, k, v: ops.train_attention(q, k, v, seqs))
             logits = model.logits(hidden[-1:], ops)
             token = ops.sample(logits, temperature, seed, torch.tensor([i]))
-            logprobs.append(ops.token_logprobs(logits, token, torch.where(temperature > 0, temperature, 1.0)))
+            logprobs.append(ops.token_logprobs(logits, token, temperature))
             tokens.append(int(token))
         return RolloutOutput(tokens[len(request.prompt):], torch.cat(logprobs))

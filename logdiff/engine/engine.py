@@ -7,7 +7,7 @@ import copy
 
 import torch
 
-from logdiff.batch import SeqBatch
+from logdiff.batch import SeqBatch, check_score_from
 from logdiff.capture import locate
 from logdiff.engine.kv_cache import BlockManager, PagedKVCache
 from logdiff.engine.scheduler import Request, RolloutOutput, Scheduler, Sequence
@@ -60,9 +60,7 @@ class RolloutEngine:
         each whole sequence goes through the rollout's prefill path (in chunks if asked) over the paged cache.
         Temperature 0 scores at 1, as for a greedy rollout."""
         requests = [Request(tuple(s), max_new_tokens=0, temperature=t) for s, t in zip(sequences, temperatures)]
-        for i, (seq, first) in enumerate(zip(sequences, score_from)):
-            if not 1 <= first <= len(seq):
-                raise ValueError(f"score_from {first} outside [1, {len(seq)}] for sequence {i}")
+        check_score_from(sequences, score_from)
         self._allocate(requests, capture=None)
         seqs = [Sequence(i, r) for i, r in enumerate(requests)]
         scored = [[] for _ in seqs]
@@ -75,7 +73,7 @@ class RolloutEngine:
             targets = [s.request.prompt[a + r + 1] for s, a, rows in zip(part, starts, emitted) for r in rows]
             if not targets:
                 continue
-            temps = [s.request.temperature or 1.0 for s, rows in zip(part, emitted) for _ in rows]
+            temps = [s.request.temperature for s, rows in zip(part, emitted) for _ in rows]
             logp = self.ops.token_logprobs(logits, torch.tensor(targets), torch.tensor(temps, dtype=torch.float32))
             for s, piece in zip(part, logp.split([len(rows) for rows in emitted])):
                 scored[s.index].append(piece)
@@ -149,7 +147,7 @@ class RolloutEngine:
         seeds = torch.tensor([s.request.seed for s in seqs], dtype=torch.long)
         index = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.long)
         tokens = self.ops.sample(logits, temps, seeds, index)
-        logp = self.ops.token_logprobs(logits, tokens, torch.where(temps > 0, temps, 1.0))
+        logp = self.ops.token_logprobs(logits, tokens, temps)
         if self.capture:
             self.capture("logprob", logp)
         for s, t, lp in zip(seqs, tokens.tolist(), logp):
@@ -169,7 +167,7 @@ def inference_copy(model: Qwen3ForCausalLM) -> Qwen3ForCausalLM:
     twin = copy.deepcopy(model)
     gemm = gemm_dtype(model.dtype)
     for name, param in twin.named_parameters():
-        if name.endswith("proj.weight") or name.endswith("_proj") or name.endswith("gate.weight") or name == "lm_head.weight":
+        if param.ndim >= 2 and name != "model.embed_tokens.weight":  # every matrix but the table is a GEMM weight
             param.data = param.data.to(gemm)
     if model.config.tie_word_embeddings and gemm != model.dtype:
         twin.lm_head.weight = torch.nn.Parameter(twin.model.embed_tokens.weight.to(gemm), requires_grad=False)
