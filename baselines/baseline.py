@@ -14,10 +14,11 @@ import torch.nn.functional as F
 from logdiff.kernels import sampling
 from logdiff.kernels.activation import fused_silu_mul
 from logdiff.kernels.attention import Alignments, decode_attention
-from logdiff.kernels.linear import plain_linear
+from logdiff.kernels.linear import gemm_dtype, plain_linear
 from logdiff.kernels.logsoftmax import fused_token_logprobs
 from logdiff.kernels.moe import grouped_experts
 from logdiff.kernels.norm import rms_norm
+from logdiff.kernels.rope import rope
 from logdiff.kernelset import KernelSet
 
 _SPLIT_KV = Alignments(order=False)
@@ -74,9 +75,11 @@ def baseline_kernels() -> KernelSet:
     """fast unaligned stack: fused SDPA, split-KV decode, GEMV decode, fused ops"""
     return KernelSet(
         name="baseline",
+        gemm_dtype=gemm_dtype,
         linear=plain_linear,
         rms_norm=rms_norm,
         act=fused_silu_mul,
+        rope=rope,
         train_attention=sdpa_train_attention,
         rollout_attention=baseline_rollout_attention,
         route=fused_route,

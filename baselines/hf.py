@@ -14,10 +14,9 @@ from itertools import groupby
 import torch
 import torch.nn.functional as F
 
+from logdiff.api import EngineOptions, RolloutOutput, Stack, Unsupported
 from logdiff.baselines.hf_capture import capture_hooks, capture_logprobs
-from logdiff.engine import RolloutOutput
 from logdiff.kernels.logsoftmax import scoring_temperature
-from logdiff.stacks import EngineOptions, Stack, Unsupported
 
 
 def build_hf_model(spec, dtype: torch.dtype, attention: str, experts: str | None = None):
@@ -36,7 +35,10 @@ def build_hf_model(spec, dtype: torch.dtype, attention: str, experts: str | None
 
 
 class HFStack(Stack):
-    def __init__(self, spec, dtype, max_model_len, attention: str = "sdpa", experts: str | None = None):
+    supports_capture = True
+
+    def __init__(self, spec, dtype, max_model_len, attention: str = "sdpa", experts: str | None = None, name: str = "hf"):
+        self.name = name
         self.model = build_hf_model(spec, dtype, attention, experts)
         self.attention = attention
         self.experts = experts
@@ -121,4 +123,4 @@ def hf_stack(spec, dtype, max_model_len):
 
 def hf_eager_stack(spec, dtype, max_model_len):
     """transformers forward + generate, eager attention and eager (per-expert loop) MoE experts"""
-    return HFStack(spec, dtype, max_model_len, attention="eager", experts="eager")
+    return HFStack(spec, dtype, max_model_len, attention="eager", experts="eager", name="hf-eager")

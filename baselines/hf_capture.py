@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
-from logdiff.capture import locate
+from logdiff.api import locate
 
 
 @contextmanager

@@ -23,9 +23,11 @@ def naive_kernels(max_model_len: int) -> KernelSet:
     ref = reference_kernels()
     return KernelSet(
         name="naive",
+        gemm_dtype=ref.gemm_dtype,
         linear=ref.linear,
         rms_norm=ref.rms_norm,
         act=ref.act,
+        rope=ref.rope,
         train_attention=partial(train_attention, align=_ALIGNED, block=max_model_len),
         rollout_attention=partial(rollout_attention, align=_ALIGNED, block=max_model_len),
         route=ref.route,

@@ -1,4 +1,4 @@
-"""The conformance catalogue (DESIGN.md §7): bitwise properties any stack can be run through.
+"""The conformance catalogue: bitwise properties any stack can be run through.
 
 Run it with `pytest conformance --stack NAME` or `logdiff check --stack NAME`. Test functions are named
 `test_c<N>_<property>`, so a test's property id is read from its name; CATALOGUE gives each id its

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from logdiff.engine import RolloutOutput
+from logdiff.api import RolloutOutput
 from logdiff.metrics import bits, first_divergence, hex_bits
 
 
@@ -84,7 +84,8 @@ def check_logprobs(values: Sequence[torch.Tensor], who: str) -> None:
         bad = (~torch.isfinite(x) | (x > 0)).nonzero()
         if len(bad):
             p = int(bad[0])
-            raise PropertyViolation(f"{who} log-prob at seq {s} pos {p} is {float(x[p])!r} ({hex_bits(x[p])}), not a log-probability")
+            raise PropertyViolation(
+                f"{who} log-prob at seq {s} pos {p} is {float(x[p])!r} ({hex_bits(x[p])}), not a log-probability")
 
 
 def check_rollout(outputs: Sequence[RolloutOutput], requests, who: str = "rollout") -> None:

@@ -3,13 +3,14 @@ from logdiff.pytest_plugin; `bitwise` compares and records."""
 
 import pytest
 
-from logdiff.pytest_plugin import (  # noqa: F401 (pytest finds hooks and fixtures by name here)
+from logdiff.conformance.plugin import (  # noqa: F401 (pytest finds hooks and fixtures by name here)
     pytest_addoption,
     pytest_collection_modifyitems,
     pytest_configure,
     pytest_report_header,
     pytest_runtest_call,
     pytest_runtest_setup,
+    stack_builder,
     stack_for,
 )
 

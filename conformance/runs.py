@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from logdiff.engine import Request, RolloutOutput
+from logdiff.api import EngineOptions, Request, RolloutOutput, Stack, TrainerInputs
 from logdiff.runner import engine_options
-from logdiff.stacks import EngineOptions, Stack
 from logdiff.workload import Workload
 
 from .bitwise import check_rollout
@@ -22,8 +21,8 @@ def rollout_and_sequences(stack: Stack, workload: Workload):
     __tracebackhide__ = True
     requests = workload.requests()
     outputs = rollout(stack, requests, engine_options(workload))
-    sequences = [list(r.prompt) + o.tokens for r, o in zip(requests, outputs)]
-    return outputs, sequences, [len(r.prompt) for r in requests], [r.temperature for r in requests]
+    scored = TrainerInputs.after(requests, outputs)
+    return outputs, scored.sequences, scored.score_from, scored.temperatures
 
 
 def assert_rollout_matches_trainer(stack: Stack, workload: Workload, bitwise) -> None:

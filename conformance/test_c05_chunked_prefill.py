@@ -3,7 +3,7 @@ block, down to one token per forward) gives the same tokens and log-probs as pre
 
 import pytest
 
-from logdiff.stacks import EngineOptions
+from logdiff.api import EngineOptions
 from logdiff.workload import Workload
 
 from .runs import rollout
@@ -12,8 +12,8 @@ WORKLOAD = Workload(prompt_lens=(127, 128, 129, 300, 17), batch_size=5, max_new_
 
 
 @pytest.fixture(scope="module")
-def whole_prompts(stack_for):
-    return rollout(stack_for(WORKLOAD), WORKLOAD.requests())
+def whole_prompts(stack_builder):
+    return rollout(stack_builder(WORKLOAD), WORKLOAD.requests())
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 100, 128])

@@ -3,7 +3,7 @@ block tables change where keys live, never the tokens or log-probs."""
 
 import pytest
 
-from logdiff.stacks import EngineOptions
+from logdiff.api import EngineOptions
 from logdiff.workload import Workload
 
 from .runs import rollout
@@ -19,8 +19,8 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def default_layout(stack_for):
-    return rollout(stack_for(WORKLOAD), WORKLOAD.requests())
+def default_layout(stack_builder):
+    return rollout(stack_builder(WORKLOAD), WORKLOAD.requests())
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
+from logdiff.api import Request
 from logdiff.config import NAMED_CONFIGS
-from logdiff.engine import Request
 from logdiff.kernels.ablations import BREAKS_ON
 from logdiff.model import Qwen3ForCausalLM
 from logdiff.weights import load_state, random_state, save_checkpoint

@@ -6,10 +6,11 @@ from functools import partial
 
 from logdiff.kernels.activation import silu_mul
 from logdiff.kernels.attention import Alignments, rollout_attention, train_attention
-from logdiff.kernels.linear import linear, plain_linear
+from logdiff.kernels.linear import gemm_dtype, linear, plain_linear
 from logdiff.kernels.logsoftmax import token_logprobs
 from logdiff.kernels.moe import combine, grouped_experts, route
 from logdiff.kernels.norm import rms_norm
+from logdiff.kernels.rope import rope
 from logdiff.kernels.sampling import sample
 from logdiff.kernelset import KernelSet
 
@@ -22,9 +23,11 @@ def reference_kernels(align: Alignments = Alignments(), name: str = "reference")
 
     return KernelSet(
         name=name,
+        gemm_dtype=gemm_dtype,
         linear=gemm,
         rms_norm=rms_norm,
         act=silu_mul,
+        rope=rope,
         train_attention=partial(train_attention, align=align),
         rollout_attention=partial(rollout_attention, align=align),
         route=route,

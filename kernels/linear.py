@@ -6,8 +6,8 @@ AVX2 machines for m <= 3. From MIN_ROWS rows on every row comes out the same wha
 for every GEMM shape of the named configs, M up to 3000, 1 and 2 threads), so skinny calls (decode,
 small experts) are zero-padded up to `min_rows(dtype)` rows. oneDNN's native bf16 GEMM (AVX512-BF16,
 no AMX) differs only for m = 1 (at K = 2048), in F.linear and in bmm alike, so there 2 rows suffice.
-AMX machines run another, unchecked bf16 kernel, so they keep the checked fp32 path. On a memory-bound GEMV the extra rows cost almost
-nothing: the weights are read once either way; 64 experts padded to 16 rows each do cost compute.
+AMX machines run another, unchecked bf16 kernel, so they keep the checked fp32 path. On a memory-bound
+GEMV the extra rows cost almost nothing: the weights are read once either way; 64 experts padded to 16 rows each do cost compute.
 
 Precision: every GEMM accumulates in fp32 and rounds its result once to the input dtype. bf16 runs
 as oneDNN's native bf16 GEMM where the CPU has bf16 dot-product instructions and no AMX (measured on AVX512-BF16:

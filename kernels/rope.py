@@ -13,13 +13,15 @@ class RotaryTable:
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = angles.cos(), angles.sin()
-        self.max_positions = max_positions
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [N, heads, head_dim] rotated by `positions` [N]; fp32 arithmetic, rounded once."""
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
-        x32 = x.float()
-        half = x32.shape[-1] // 2
-        rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
-        return (x32 * cos + rotated * sin).to(x.dtype)
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos and sin [N, head_dim] of `positions` [N]."""
+        return self.cos[positions], self.sin[positions]
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, head_dim] rotated by cos/sin [N, head_dim]; fp32 arithmetic, rounded once."""
+    x32 = x.float()
+    half = x32.shape[-1] // 2
+    rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
+    return (x32 * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)

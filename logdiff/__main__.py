@@ -1,5 +1,5 @@
 import sys
 
-from logdiff.cli import main
+from logdiff.cli.main import main
 
 sys.exit(main())

@@ -10,9 +10,11 @@ from typing import Callable
 class KernelSet:
     """The model calls nothing else; a stack's kernel set decides every bit of its log-probs.
 
+    gemm_dtype(model dtype) -> the dtype GEMM weights are read in (the engine stores its copy so)
     linear(x [N, in], w [out, in]) -> [N, out] in x's dtype
     rms_norm(x, weight, eps)
     act(gate, up) -> silu(gate) * up
+    rope(x [N, heads, d], cos, sin [N, d] fp32) -> x rotated, in x's dtype
     train_attention(q [N, Hq, d], k, v [N, Hkv, d], seqs) -> [N, Hq, d]
     rollout_attention(q, k_cache, v_cache [Hkv, slots, d], seqs, slots [S, L]) -> [N, Hq, d]
     route(router_logits [N, E], top_k, norm_topk_prob) -> ids [N, k], fp32 weights [N, k]
@@ -23,9 +25,11 @@ class KernelSet:
     """
 
     name: str
+    gemm_dtype: Callable
     linear: Callable
     rms_norm: Callable
     act: Callable
+    rope: Callable
     train_attention: Callable
     rollout_attention: Callable
     route: Callable

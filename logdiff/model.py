@@ -8,22 +8,22 @@ layout of the tokens (`SeqBatch`).
 
 `capture(name, tensor)`, when given, receives the inputs and the output of every named point of the
 forward (`tokens`, `positions`, `embedding`, `layers.3.q_proj`, ..., `final_norm`, `logits`; the list,
-in order, is `logdiff.capture.point_names`); `logdiff bisect` uses it. None costs a no-op call per point.
+in order, is `logdiff.bisect.capture.point_names`); `logdiff bisect` uses it. None costs a no-op call per point.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from torch import nn
 
+from logdiff.api import Capture
 from logdiff.batch import SeqBatch
 from logdiff.config import ModelConfig
 from logdiff.kernels.rope import RotaryTable
 from logdiff.kernelset import KernelSet
 
-Capture = Optional[Callable[[str, torch.Tensor], None]]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -109,6 +109,7 @@ class Qwen3ForCausalLM(nn.Module):
         c = self.config
         cap = capture or _ignore
         positions = seqs.positions
+        cos, sin = self.rope.at(positions)
         cap("tokens", tokens), cap("positions", positions)
         # An embedding gather, not `weight[tokens]`: the backward of advanced indexing accumulates repeated
         # tokens' rows in a thread-dependent order on CPU (not deterministic); embedding's backward is.
@@ -127,7 +128,7 @@ class Qwen3ForCausalLM(nn.Module):
             k = ops.rms_norm(k.view(-1, c.num_key_value_heads, c.head_dim), attn.k_norm.weight, c.rms_norm_eps)
             v = v.view(-1, c.num_key_value_heads, c.head_dim)
             cap(at + "q_norm", q), cap(at + "k_norm", k)
-            q, k = self.rope.apply(q, positions), self.rope.apply(k, positions)
+            q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
             cap(at + "rope_q", q), cap(at + "rope_k", k)
             o = attend(i, q, k, v).reshape(-1, c.num_attention_heads * c.head_dim)
             cap(at + "attention", o)

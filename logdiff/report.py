@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -14,9 +15,25 @@ from tabulate import tabulate
 
 import logdiff
 from logdiff.errors import UserError
-from logdiff.stacks import platform_info
 
 SCHEMA = "logdiff/result/v1"
+
+
+def platform_info() -> dict:
+    """The machine a result was measured on; `target` is the accelerator torch sees, else the CPU."""
+    import torch
+
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return {
+        "machine": platform.node(),
+        "system": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "target": accelerator.type if accelerator else "cpu",
+    }
 
 
 def suite_commit() -> str:
@@ -118,6 +135,11 @@ def divergence_line(name: str, c) -> str | None:
     if d is None:
         return None
     return f"{name}: first divergence at seq {d.seq} pos {d.pos}: rollout {d.rollout_bits} vs trainer {d.trainer_bits}"
+
+
+def progress(message: str) -> None:
+    """A progress line: on stderr, so that stdout keeps only the result."""
+    print(message, file=sys.stderr, flush=True)
 
 
 def fmt_float(x: float) -> str:

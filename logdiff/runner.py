@@ -7,24 +7,19 @@ from dataclasses import dataclass
 
 import torch
 
-from logdiff.engine import RolloutOutput
+from logdiff.api import EngineOptions, RolloutOutput, Stack, TrainerInputs
 from logdiff.metrics import Comparison, compare
-from logdiff.stacks import EngineOptions, Stack
 from logdiff.workload import Workload
 
 
 @dataclass
 class StackRun:
     stack: str
-    prompts: list[tuple[int, ...]]
+    scored: TrainerInputs  # prompt + response of every request, as the trainer scored them
     rollout: list[RolloutOutput]
     trainer: list[torch.Tensor]
     comparison: Comparison
     seconds: float
-
-    @property
-    def sequences(self) -> list[list[int]]:
-        return [list(p) + o.tokens for p, o in zip(self.prompts, self.rollout)]
 
 
 def engine_options(workload: Workload) -> EngineOptions:
@@ -35,8 +30,8 @@ def run_stack(stack: Stack, workload: Workload) -> StackRun:
     requests = workload.requests()
     start = time.perf_counter()
     rollout = stack.rollout(requests, engine_options(workload))
-    sequences = [list(r.prompt) + o.tokens for r, o in zip(requests, rollout)]
-    trainer = stack.trainer_logprobs(sequences, [len(r.prompt) for r in requests], [r.temperature for r in requests])
+    scored = TrainerInputs.after(requests, rollout)
+    trainer = stack.trainer_logprobs(scored.sequences, scored.score_from, scored.temperatures)
     seconds = time.perf_counter() - start
     comparison = compare([o.logprobs for o in rollout], trainer)
-    return StackRun(stack.name, [r.prompt for r in requests], rollout, trainer, comparison, seconds)
+    return StackRun(stack.name, scored, rollout, trainer, comparison, seconds)

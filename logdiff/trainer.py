@@ -10,10 +10,10 @@ from typing import Sequence
 
 import torch
 
+from logdiff.api import Capture, locate
 from logdiff.batch import SeqBatch, check_score_from
-from logdiff.capture import locate
 from logdiff.kernelset import KernelSet
-from logdiff.model import Capture, Qwen3ForCausalLM
+from logdiff.model import Qwen3ForCausalLM
 
 
 class Trainer:
@@ -58,21 +58,3 @@ class Trainer:
         if capture:
             capture("logprob", logp)
         return list(logp.split(counts))
-
-    def logprobs_padded(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, score_mask: torch.Tensor, temperature: float = 1.0,
-        grad: bool = False,
-    ) -> torch.Tensor:
-        """Padded batch, verl-style: `attention_mask` marks real tokens (left and/or right padding),
-        `score_mask` the tokens to score. Returns [B, T] log-probs, 0 where not scored."""
-        sequences, score_from = [], []
-        for ids, real, scored in zip(input_ids, attention_mask.bool(), score_mask.bool()):
-            kept = ids[real]
-            scored_real = scored[real].nonzero()
-            if len(scored_real) == 0 or not bool(scored[real][int(scored_real[0]) :].all()):
-                raise ValueError("score_mask must mark one contiguous suffix of each sequence's real tokens")
-            sequences.append(kept.tolist())
-            score_from.append(int(scored_real[0]))
-        flat = self.logprobs(sequences, score_from, [temperature] * len(sequences), grad=grad)
-        mask = score_mask.bool() & attention_mask.bool()
-        return torch.zeros(input_ids.shape).masked_scatter(mask, torch.cat(flat))

@@ -6,12 +6,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from logdiff.engine import Request
-from logdiff.engine.engine import DEFAULT_PAGE_SIZE
+from logdiff.api import DEFAULT_PAGE_SIZE, Request
 from logdiff.errors import UserError
 from logdiff.weights import ModelSpec, parse_dtype
 
-# Prompt lengths that straddle the 128-token KV block: 1, B-1, B, B+1, and two in between.
+# Prompt lengths that straddle the 128-token KV block (DEFAULT_PAGE_SIZE): 1, B-1, B, B+1, and two in between.
 DEFAULT_PROMPT_LENS = (1, 127, 128, 129, 17, 300)
 
 
@@ -34,8 +33,8 @@ class Workload:
 
     @property
     def max_model_len(self) -> int:
-        """Longest context of the workload, rounded up to whole 128-token KV blocks."""
-        return -(-(max(self.prompt_lens) + self.max_new_tokens) // 128) * 128
+        """Longest context of the workload, rounded up to whole KV blocks of the default page size."""
+        return -(-(max(self.prompt_lens) + self.max_new_tokens) // DEFAULT_PAGE_SIZE) * DEFAULT_PAGE_SIZE
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -53,7 +52,8 @@ class Workload:
         if self.temperature < 0:
             raise UserError(f"temperature {self.temperature} is negative; pass --temperature 0 (greedy) or more")
         if self.block_size < 1:
-            raise UserError(f"block size {self.block_size} is not positive; pass --block-size 1 or more (default 128)")
+            raise UserError(
+                f"block size {self.block_size} is not positive; pass --block-size 1 or more (default {DEFAULT_PAGE_SIZE})")
         if self.stagger < 0:
             raise UserError(f"stagger {self.stagger} is negative; pass --stagger 0 or more")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
@@ -84,6 +84,21 @@ class Workload:
         return (f"{self.model} {self.dtype}, {self.batch_size} requests, prompts {','.join(map(str, self.prompt_lens))}, "
                 f"{self.max_new_tokens} new tokens, temperature {self.temperature}, KV page {self.block_size}, "
                 f"stagger {self.stagger}{chunk}")
+
+    def command_line(self) -> str:
+        """The `logdiff run` options that give this workload (only those that differ from the defaults)."""
+        flags = {
+            "model": "--model", "dtype": "--dtype", "batch_size": "--batch-size", "prompt_lens": "--prompt-lens",
+            "max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "seed": "--seed",
+            "block_size": "--block-size", "stagger": "--stagger", "prefill_chunk": "--prefill-chunk",
+        }
+        default = Workload()
+        parts = []
+        for field, flag in flags.items():
+            value = getattr(self, field)
+            if value != getattr(default, field):
+                parts.append(f"{flag} {','.join(map(str, value)) if field == 'prompt_lens' else value}")
+        return " ".join(parts)
 
     def to_dict(self) -> dict:
         d = asdict(self)

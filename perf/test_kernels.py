@@ -6,7 +6,8 @@ no kernel set wins by skipping work)."""
 import pytest
 import torch
 
-from logdiff.bench_kernels import KERNEL_CASES, KERNEL_STACKS, measure_kernel
+from logdiff.bench.kernel_cases import KERNEL_CASES, measure_kernel
+from logdiff.stacks import KERNEL_STACKS
 
 INPUTS: dict[str, dict] = {}
 REFERENCE_OUT: dict[str, torch.Tensor] = {}

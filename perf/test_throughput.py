@@ -11,9 +11,10 @@ import statistics
 
 import pytest
 
-from logdiff.bench_cases import CASES, measure, token_agreement
+from logdiff.bench.cases import CASES, measure, token_agreement
+from logdiff.stacks import BENCH_STACKS
 
-STACKS = ("reference", "baseline", "naive", "hf")
+STACKS = BENCH_STACKS
 MODELS = (("qwen3-moe-small", "bf16"), ("qwen3-moe-small", "fp32"), ("qwen3-moe-tiny", "fp32"))
 REFERENCE_IDS: dict[tuple, list[list[int]]] = {}
 

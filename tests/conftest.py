@@ -1,20 +1,17 @@
 import pytest
 
-from logdiff import stacks
 from logdiff.runner import run_stack
+from logdiff.stacks import StackCache
 from logdiff.workload import Workload
 
 
 @pytest.fixture(scope="session")
 def stack_cache():
-    """Stacks are built once per (name, model, dtype, max_model_len): building copies the weights."""
-    cache = {}
+    """stack_cache(name, workload, max_model_len=None): built once per stack, model, dtype and context."""
+    cache = StackCache()
 
     def get(name, workload: Workload, max_model_len=None):
-        key = (name, workload.model, workload.dtype, workload.seed, max_model_len or workload.max_model_len)
-        if key not in cache:
-            cache[key] = stacks.build(name, workload.spec, workload.torch_dtype, key[-1])
-        return cache[key]
+        return cache.get(name, workload.spec, workload.torch_dtype, max_model_len or workload.max_model_len)
 
     return get
 

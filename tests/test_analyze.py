@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from logdiff.cli import main
+from logdiff.cli.main import main
 
 RUN_ARGS = ["--batch-size", "3", "--prompt-lens", "1,129,17", "--max-new-tokens", "8"]
 

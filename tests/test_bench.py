@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from logdiff.bench_cases import token_agreement
-from logdiff.bench_stats import claim_reading, paired_ratio, spread
-from logdiff.cli import main
+from logdiff.bench.cases import token_agreement
+from logdiff.bench.stats import claim_reading, paired_ratio, spread
+from logdiff.cli.main import main
 
 
 @pytest.fixture(scope="module")

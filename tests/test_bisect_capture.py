@@ -5,8 +5,9 @@ capture that changes no bit of what a stack computes."""
 import pytest
 import torch
 
-from logdiff.bisect import diff_rows
-from logdiff.capture import Recorder, captured_inputs, point_names
+from logdiff.api import TrainerInputs
+from logdiff.bisect.capture import Recorder, captured_inputs, point_names
+from logdiff.bisect.locate import diff_rows
 from logdiff.config import NAMED_CONFIGS
 from logdiff.runner import engine_options
 from logdiff.workload import Workload
@@ -41,10 +42,9 @@ def test_the_trainer_reports_every_point_in_forward_order(stack_cache, model):
 def _replay(stack, w, request, upto):
     rollout, trainer = Recorder(request, upto), Recorder(request, upto)
     outputs = stack.rollout(w.requests(), engine_options(w), capture=rollout)
-    sequences = [list(r.prompt) + o.tokens for r, o in zip(w.requests(), outputs)]
-    stack.trainer_logprobs(sequences, [len(r.prompt) for r in w.requests()], [r.temperature for r in w.requests()],
-                           capture=trainer)
-    return rollout, trainer, sequences
+    scored = TrainerInputs.after(w.requests(), outputs)
+    stack.trainer_logprobs(scored.sequences, scored.score_from, scored.temperatures, capture=trainer)
+    return rollout, trainer, scored.sequences
 
 
 # reference: the 30-token prompt, prefilled in 4 chunks; hf: the 5-token prompt, left-padded to 30
@@ -79,8 +79,8 @@ def test_capture_changes_no_bit(stack_cache, name, fields):
     stack = stack_cache(name, w)
     plain = stack.rollout(w.requests(), engine_options(w))
     captured = stack.rollout(w.requests(), engine_options(w), capture=Recorder(2, 100))
-    seqs = [list(r.prompt) + o.tokens for r, o in zip(w.requests(), plain)]
-    score_from, temps = [len(r.prompt) for r in w.requests()], [0.0] * w.batch_size
+    scored = TrainerInputs.after(w.requests(), plain)
+    seqs, score_from, temps = scored.sequences, scored.score_from, scored.temperatures
     for a, b in zip(plain, captured):
         assert a.tokens == b.tokens and torch.equal(a.logprobs.view(torch.int32), b.logprobs.view(torch.int32))
     for a, b in zip(stack.trainer_logprobs(seqs, score_from, temps),

@@ -4,10 +4,11 @@ import json
 
 import pytest
 
-from logdiff.cli import main
+from logdiff.api import Stack
+from logdiff.cli.main import main
 from logdiff.kernels import reference_kernels
 from logdiff.kernels.ablations import BREAKS_ON
-from logdiff.stacks import KernelStack, Stack
+from logdiff.stacks import KernelStack
 
 NO_BLOCKS = ["--stack", "reference-no-blocks", "--batch-size", "1", "--prompt-lens", "100", "--max-new-tokens", "4"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -24,7 +25,7 @@ def test_text_json_and_pictures(tmp_path, capsys):
     b = env["bisect"]
     assert b["first"]["point"] == "layers.0.attention" and b["first"]["klass"] == "kernel path"
     assert b["first"]["diff"]["rollout_bits"] != b["first"]["diff"]["trainer_bits"]
-    assert b["divergence"]["seq"] == 0 and b["position"] == 99 and len(b["logdiff"][0]) == 4
+    assert b["divergence"]["seq"] == 0 and b["position"] == 99 + b["divergence"]["pos"] and len(b["logdiff"][0]) == 4
     grid = b["grid"]
     assert grid["layers"] == [0, 1] and grid["max_abs_diff"][grid["points"].index("attention")][0] > 0
     assert grid["max_abs_diff"][grid["points"].index("q_proj")][0] == 0.0

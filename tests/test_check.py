@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from logdiff.cli import main
+from logdiff.cli.main import main
 from logdiff.conformance.test_c03_rollout_trainer import CASES as C3_CASES
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def check(*args):
-    return subprocess.run([sys.executable, "-m", "logdiff", "check", *args], cwd=REPO, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "logdiff", "check", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,8 @@ def test_xfailed_gaps_exit_0(failing, tmp_path):
     failed = [t["id"] for t in json.loads((out / "check.json").read_text())["stacks"][0]["tests"] if t["outcome"] == "fail"]
     xfails = tmp_path / "xfails.txt"
     xfails.write_text("\n".join(failed) + "\n")
-    result = check("--stack", "reference-no-blocks", "--property", "C3", "--xfails-file", str(xfails), "--out", str(tmp_path / "r"))
+    result = check("--stack", "reference-no-blocks", "--property", "C3", "--xfails-file", str(xfails),
+                   "--out", str(tmp_path / "r"))
     assert result.returncode == 0, result.stdout[-3000:]
     stack = json.loads((tmp_path / "r" / "check.json").read_text())["stacks"][0]
     assert stack["properties"]["C3"]["verdict"] == "xfail" and stack["properties"]["C3"]["xfail"] == len(failed)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from logdiff.cli import main
+from logdiff.cli.main import main
 from logdiff.weights import ModelSpec, save_checkpoint
 
 QUICK = ["--batch-size", "2", "--prompt-lens", "3,130", "--max-new-tokens", "4"]
@@ -21,7 +21,8 @@ def logdiff(*args):
 def test_default_run_prints_a_row_per_stack():
     out = logdiff("run", *QUICK)
     assert out.returncode == 0, out.stderr
-    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["reference"], ["baseline"])}
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
+            if line.split()[:1] in (["reference"], ["baseline"])}
     assert rows["reference"][-2] == "pass" and rows["reference"][1] == rows["reference"][2]
     assert rows["baseline"][-2] == "fail"
     assert "first divergence at seq" in out.stdout

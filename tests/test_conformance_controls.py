@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from logdiff import stacks
+from logdiff.api import EngineOptions
 from logdiff.conformance import test_c01_determinism as c1
 from logdiff.conformance import test_c02_batch_invariance as c2
 from logdiff.conformance import test_c03_rollout_trainer as c3
@@ -18,6 +18,7 @@ from logdiff.conformance import test_c07_continuous_batching as c7
 from logdiff.conformance import test_c09_moe_routing as c9
 from logdiff.conformance import test_c11_trainer_backward as c11
 from logdiff.conformance.bitwise import Bitwise, PropertyViolation
+from logdiff.conformance.plugin import MAX_MODEL_LEN
 from logdiff.conformance.runs import rollout
 from logdiff.conformance.workloads import (
     TIED_EXPERTS,
@@ -27,24 +28,18 @@ from logdiff.conformance.workloads import (
 from logdiff.kernels import reference_kernels
 from logdiff.kernels.ablations import ABLATIONS
 from logdiff.kernels.moe import softmax
-from logdiff.pytest_plugin import MAX_MODEL_LEN
-from logdiff.stacks import KernelStack
+from logdiff.stacks import KernelStack, StackCache
 from logdiff.weights import ModelSpec
 
 
 @pytest.fixture(scope="module")
 def built():
     """build(factory_or_name) -> stack_for(workload), each (stack, model, dtype) built once."""
-    cache = {}
+    cache = StackCache()
 
     def build(stack):
-        factory = stacks.resolve(stack) if isinstance(stack, str) else stack
-
         def stack_for(workload):
-            key = (stack, workload.model, workload.dtype)
-            if key not in cache:
-                cache[key] = factory(workload.spec, workload.torch_dtype, MAX_MODEL_LEN)
-            return cache[key]
+            return cache.get(stack, workload.spec, workload.torch_dtype, MAX_MODEL_LEN)
 
         return stack_for
 
@@ -105,7 +100,7 @@ ULP_SEQ, ULP_POS = 1, 3
 class OneUlpStack(KernelStack):
     """reference, except that one rollout log-prob (sequence 1, response position 3) is one ulp closer to 0"""
 
-    def rollout(self, requests, options=stacks.EngineOptions(), capture=None):
+    def rollout(self, requests, options=EngineOptions(), capture=None):
         outputs = super().rollout(requests, options, capture)
         if len(outputs) > ULP_SEQ:
             logprobs = outputs[ULP_SEQ].logprobs.clone()

@@ -20,14 +20,16 @@ def plugin_env(tmp_path_factory):
     source = shutil.copytree(REPO / "examples" / "logdiff-example-stack", work / "src")  # builds write beside the source
     site = work / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(site), str(source)],
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(site),
+         str(source)],
         check=True, capture_output=True, text=True, timeout=300,
     )
     return {**os.environ, "PYTHONPATH": str(site)}
 
 
 def test_plugin_stack_is_listed(plugin_env):
-    result = subprocess.run([sys.executable, "-m", "logdiff", "list"], env=plugin_env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "logdiff", "list"], env=plugin_env, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr
     assert "example" in result.stdout and "logdiff_example_stack:RecomputeStack" in result.stdout
 

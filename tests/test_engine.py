@@ -2,7 +2,8 @@
 
 import torch
 
-from logdiff.engine import Request, RolloutEngine
+from logdiff.api import Request
+from logdiff.engine import RolloutEngine
 from logdiff.engine.kv_cache import BlockManager, PagedKVCache
 from logdiff.engine.scheduler import Scheduler
 from logdiff.kernels import reference_kernels

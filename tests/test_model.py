@@ -5,9 +5,10 @@ import pytest
 import torch
 import transformers
 
+from logdiff.api import Request
 from logdiff.baselines.hf import build_hf_model
 from logdiff.batch import SeqBatch
-from logdiff.engine import Request, RolloutEngine
+from logdiff.engine import RolloutEngine
 from logdiff.kernels import reference_kernels
 from logdiff.weights import ModelSpec, save_checkpoint
 

@@ -17,22 +17,6 @@ def trainer(request):
     return Trainer(ModelSpec("qwen3-moe-tiny").build(dtype), reference_kernels())
 
 
-def test_padded_batch_equals_packed_batch(trainer):
-    packed = trainer.logprobs(SEQS, [1, 100, 1], [1.0] * 3)
-    width = max(map(len, SEQS)) + 3
-    ids = torch.zeros(3, width, dtype=torch.long)
-    attention = torch.zeros(3, width, dtype=torch.long)
-    score = torch.zeros(3, width, dtype=torch.long)
-    for i, (s, first) in enumerate(zip(SEQS, [1, 100, 1])):
-        pad = 3 if i == 0 else 0  # one left-padded row, verl-style
-        ids[i, pad : pad + len(s)] = torch.tensor(s)
-        attention[i, pad : pad + len(s)] = 1
-        score[i, pad + first : pad + len(s)] = 1
-    padded = trainer.logprobs_padded(ids, attention, score)
-    for i, row in enumerate(packed):
-        assert torch.equal(padded[i][score[i].bool()], row)
-
-
 def _grads(trainer):
     params = [p for p in trainer.model.parameters()]
     for p in params:

@@ -4,15 +4,16 @@ Stack API, not a fast engine. Your stack wraps your own trainer and rollout engi
 
 import torch
 
+from logdiff.api import EngineOptions, RolloutOutput, Stack, Unsupported
 from logdiff.batch import SeqBatch
-from logdiff.engine import RolloutOutput
 from logdiff.kernels import reference_kernels
-from logdiff.stacks import EngineOptions, Stack, Unsupported
 from logdiff.trainer import Trainer
 
 
 class RecomputeStack(Stack):
     """no-KV-cache rollout: every step re-runs the whole sequence through the trainer's forward"""
+
+    name = "example"
 
     def __init__(self, spec, dtype, max_model_len):
         self.trainer = Trainer(spec.build(dtype), reference_kernels())  # the same weights as every stack
@@ -31,7 +32,8 @@ class RecomputeStack(Stack):
         temperature, seed = torch.tensor([request.temperature]), torch.tensor([request.seed])
         for i in range(request.max_new_tokens):
             seqs = SeqBatch.from_lengths([len(tokens)])
-            hidden = model.hidden_states(torch.tensor(tokens), seqs, ops, lambda _, q, k, v: ops.train_attention(q, k, v, seqs))
+            attend = lambda _, q, k, v, seqs=seqs: ops.train_attention(q, k, v, seqs)  # noqa: E731
+            hidden = model.hidden_states(torch.tensor(tokens), seqs, ops, attend)
             logits = model.logits(hidden[-1:], ops)
             token = ops.sample(logits, temperature, seed, torch.tensor([i]))
             logprobs.append(ops.token_logprobs(logits, token, temperature))

@@ -7,15 +7,12 @@ import copy
 
 import torch
 
+from logdiff.api import DEFAULT_PAGE_SIZE, Capture, Request, RolloutOutput, locate
 from logdiff.batch import SeqBatch, check_score_from
-from logdiff.capture import locate
 from logdiff.engine.kv_cache import BlockManager, PagedKVCache
-from logdiff.engine.scheduler import Request, RolloutOutput, Scheduler, Sequence
-from logdiff.kernels.linear import gemm_dtype
+from logdiff.engine.scheduler import Scheduler, Sequence
 from logdiff.kernelset import KernelSet
-from logdiff.model import Capture, Qwen3ForCausalLM
-
-DEFAULT_PAGE_SIZE = 128
+from logdiff.model import Qwen3ForCausalLM
 
 
 class RolloutEngine:
@@ -32,7 +29,7 @@ class RolloutEngine:
     ):
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
-        self.model = inference_copy(model)
+        self.model = inference_copy(model, ops)
         self.ops = ops
         self.page_size = page_size
         self.prefill_chunk = prefill_chunk
@@ -155,8 +152,8 @@ class RolloutEngine:
             s.logprobs.append(lp.reshape(1))
 
 
-def inference_copy(model: Qwen3ForCausalLM) -> Qwen3ForCausalLM:
-    """The model with its GEMM weights stored in the dtype the GEMMs compute in (`gemm_dtype`).
+def inference_copy(model: Qwen3ForCausalLM, ops: KernelSet) -> Qwen3ForCausalLM:
+    """The model with its GEMM weights stored in the dtype the kernel set's GEMMs read (`ops.gemm_dtype`).
 
     Every kernel set rounds a GEMM's result to the model dtype, so an fp32 copy of an fp16 weight gives
     the same bits while sparing the upcast on every decode step; bf16 weights stay bf16 where the GEMM
@@ -165,7 +162,7 @@ def inference_copy(model: Qwen3ForCausalLM) -> Qwen3ForCausalLM:
     if getattr(model, "is_inference_copy", False):
         return model
     twin = copy.deepcopy(model)
-    gemm = gemm_dtype(model.dtype)
+    gemm = ops.gemm_dtype(model.dtype)
     for name, param in twin.named_parameters():
         if param.ndim >= 2 and name != "model.embed_tokens.weight":  # every matrix but the table is a GEMM weight
             param.data = param.data.to(gemm)

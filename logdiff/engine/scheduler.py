@@ -11,20 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-@dataclass(frozen=True)
-class Request:
-    prompt: tuple[int, ...]
-    max_new_tokens: int
-    temperature: float = 0.0  # 0 = greedy
-    seed: int = 0  # per-request sampling seed
-    arrival: int = 0  # engine step at which the request joins the batch
-
-
-@dataclass
-class RolloutOutput:
-    tokens: list[int]
-    logprobs: torch.Tensor  # fp32 [len(tokens)]: what the engine computed when it sampled each token
+from logdiff.api import Request
 
 
 @dataclass

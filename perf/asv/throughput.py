@@ -10,10 +10,11 @@ import statistics
 import torch
 
 from logdiff import stacks
-from logdiff.bench_cases import CASES, measure
-from logdiff.bench_kernels import KERNEL_CASES, KERNEL_STACKS, measure_kernel
+from logdiff.bench.cases import CASES, measure
+from logdiff.bench.kernel_cases import KERNEL_CASES, measure_kernel
+from logdiff.stacks import BENCH_STACKS, KERNEL_STACKS
 
-STACKS = ["reference", "baseline", "naive", "hf"]
+STACKS = list(BENCH_STACKS)
 MODELS = ["qwen3-moe-small:bf16", "qwen3-moe-small:fp32", "qwen3-moe-tiny:fp32"]
 TIMED_RUNS = 3
 

@@ -20,7 +20,7 @@ from verl.trainer.ppo.rollout_corr_helper import (
 from verl.utils.debug.metrics import calculate_debug_metrics
 
 from logdiff import stacks
-from logdiff.cli import main
+from logdiff.cli.main import main
 from logdiff.metrics import pad_sequences, response_mask
 from logdiff.runner import StackRun, run_stack
 from logdiff.workload import Workload

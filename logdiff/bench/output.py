@@ -7,8 +7,8 @@ import re
 from pathlib import Path
 
 from logdiff import report
-from logdiff.baselines.peers import CLAIM_SOURCE, CLAIMED_SPEEDUP, PEER_FIGURES
-from logdiff.bench_stats import (
+from logdiff.bench.peers import CLAIM_SOURCE, CLAIMED_SPEEDUP, PEER_FIGURES
+from logdiff.bench.stats import (
     READINGS,
     TARGETS,
     claim_reading,
@@ -25,7 +25,7 @@ def ratios(result: dict) -> list[dict]:
     rows = []
     for case, r in result["cases"].items():
         tps = r["tokens_per_s"]
-        for label, num, den, _ in READINGS:
+        for label, num, den in READINGS:
             if num in tps and den in tps:
                 rows.append({"case": case, "reading": label, "numerator": num, "denominator": den,
                              **paired_ratio(tps[num], tps[den])})
@@ -62,7 +62,8 @@ def print_summary(result: dict) -> None:
         print("\nratios, median [min-max] of per-repeat ratios")
         by_case: dict[str, dict] = {}
         for r in ratio_rows:
-            by_case.setdefault(r["case"], {"case": r["case"]})[f"{r['reading']} ({r['numerator']}/{r['denominator']})"] = fmt_spread(r, "x")
+            column = f"{r['reading']} ({r['numerator']}/{r['denominator']})"
+            by_case.setdefault(r["case"], {"case": r["case"]})[column] = fmt_spread(r, "x")
         print(report.table(list(by_case.values())))
         claim = [r for r in ratio_rows if r["reading"] == "the claim"]
         if claim:
@@ -71,7 +72,7 @@ def print_summary(result: dict) -> None:
                   + "; ".join(f"{r['case']} {r['median']:.2f}x {claim_reading(r['median'], low, high)}" for r in claim))
     target_rows = targets(result)
     if target_rows:
-        print("\ntargets (issue 4; reported, not asserted)")
+        print("\ntargets (reported, not asserted)")
         print(report.table([{"target": t["target"], "measured": fmt_spread(t["measured"], "x"),
                              "met": "yes" if t["met"] else "NO"} for t in target_rows]))
     print("\npublished figures, each on its authors' own hardware (context only, not comparable to this machine)")
@@ -114,7 +115,8 @@ def write_outputs(result: dict, out: Path) -> list[Path]:
     data = report.envelope(
         "bench", workload, stacks,
         ratios=ratios(result), targets=targets(result),
-        checks={c: {"tokens": r.get("token_check", {}), "outputs": r.get("output_check", {})} for c, r in result["cases"].items()},
+        checks={c: {"tokens": r.get("token_check", {}), "outputs": r.get("output_check", {})}
+                for c, r in result["cases"].items()},
         loadavg=result["loadavg"], wall_seconds=result["wall_seconds"],
         peers={"note": "published by each source on its own hardware; not comparable to this machine",
                "claimed_speedup": list(CLAIMED_SPEEDUP), "claim_source": CLAIM_SOURCE,

@@ -25,7 +25,7 @@ class PeerFigure:
 
 PEER_FIGURES = (
     PeerFigure("vLLM", "batch-invariant mode, eager", 2.27, "H100, Qwen3-1.7B",
-               "vLLM batch-invariance docs / RFC (VLLM_BATCH_INVARIANT=1), as cited in DESIGN.md section 9"),
+               "vLLM batch-invariance docs / RFC (VLLM_BATCH_INVARIANT=1)"),
     PeerFigure("Thinking Machines", "batch-invariant vLLM before / after their attention fix", 1.62, "their GPUs",
                "Thinking Machines Lab, 'Defeating Nondeterminism in LLM Inference' (2.12x -> 1.62x)"),
     PeerFigure("TorchTitan + vLLM", "bitwise-identical RL, end to end", 2.4, "their GPUs",

@@ -23,20 +23,16 @@ import torch
 from logdiff.batch import SeqBatch
 from logdiff.config import NAMED_CONFIGS
 from logdiff.kernelset import KernelSet
+from logdiff.stacks import builtin_kernel_sets
 
 SHAPES = NAMED_CONFIGS["qwen3-30b-a3b"]
 PROMPT, RESPONSE, PAGE = 2048, 2048, 128
 MAX_MODEL_LEN = PROMPT + RESPONSE
-KERNEL_STACKS = ("reference", "baseline", "naive")
 
 
 def kernel_set(name: str) -> KernelSet:
-    from logdiff.baselines.baseline import baseline_kernels
-    from logdiff.baselines.naive import naive_kernels
-    from logdiff.kernels import reference_kernels
-
-    return {"reference": reference_kernels, "baseline": baseline_kernels,
-            "naive": lambda: naive_kernels(MAX_MODEL_LEN)}[name]()
+    make, _ = builtin_kernel_sets()[name]
+    return make(MAX_MODEL_LEN)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ EXPORT_HINT = (
 )
 
 
-def add_analyze(sub) -> None:
+def add(sub) -> None:
     p = sub.add_parser("analyze", help="bitwise verdict and verl/slime metrics of a saved verl batch (.pt or .safetensors)")
     p.add_argument("file", metavar="FILE", help="torch.save dict or safetensors file with " + ", ".join(KEYS))
     p.add_argument("--json", metavar="PATH", help="write the JSON result envelope here")

@@ -16,13 +16,13 @@ classed by its inputs:
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from logdiff.capture import (
+from logdiff.api import Stack
+from logdiff.bisect.capture import (
     CONTEXT,
     LAYER_POINTS,
     Recorder,
@@ -33,7 +33,6 @@ from logdiff.config import ModelConfig
 from logdiff.errors import UserError
 from logdiff.metrics import Comparison, Divergence, bits, hex_bits
 from logdiff.runner import StackRun, engine_options, run_stack
-from logdiff.stacks import Stack
 from logdiff.workload import Workload
 
 KERNEL_PATH = "kernel path"
@@ -127,15 +126,11 @@ def _size(diff: RowDiff | None) -> float | None:
     return None if diff is None else 0.0 if diff.equal else diff.max_abs_diff
 
 
-def supports_capture(stack: Stack) -> bool:
-    return all("capture" in inspect.signature(method).parameters for method in (stack.rollout, stack.trainer_logprobs))
-
-
 def bisect(stack: Stack, workload: Workload, progress=lambda message: None) -> Bisection:
-    if not supports_capture(stack):
+    if not stack.supports_capture:
         raise UserError(
-            f"stack {stack.name!r} does not implement the capture hook (a capture= keyword on rollout and "
-            "trainer_logprobs, see logdiff.stacks.Stack); add it to bisect this stack"
+            f"stack {stack.name!r} does not implement the capture hook (supports_capture, a capture= keyword on rollout "
+            "and trainer_logprobs, see logdiff.api.Stack); add it to bisect this stack"
         )
     progress(f"{stack.name}: rollout + trainer recompute")
     run = run_stack(stack, workload)
@@ -148,7 +143,7 @@ def bisect(stack: Stack, workload: Workload, progress=lambda message: None) -> B
     if result.divergence is None:
         return result
     d = result.divergence
-    result.position = len(run.prompts[d.seq]) + d.pos - 1
+    result.position = run.scored.score_from[d.seq] + d.pos - 1
     rollout, trainer = _replay(stack, workload, run, d.seq, result.position, progress)
     names = [n for n in point_names(config.num_hidden_layers) if result.position in rollout.rows.get(n, {})
              and result.position in trainer.rows.get(n, {})]
@@ -172,7 +167,7 @@ def _replay(stack, workload, run: StackRun, request: int, position: int, progres
             [o.logprobs for o in again], [o.logprobs for o in run.rollout]):
         raise NotReproduced(f"the rollout of stack {stack.name!r} gave other tokens or log-probs when replayed")
     progress(f"{stack.name}: replaying the trainer with capture on")
-    scores = stack.trainer_logprobs(run.sequences, [len(p) for p in run.prompts], [r.temperature for r in requests],
+    scores = stack.trainer_logprobs(run.scored.sequences, run.scored.score_from, run.scored.temperatures,
                                     capture=trainer)
     if not _same_bits(scores, run.trainer):
         raise NotReproduced(f"the trainer of stack {stack.name!r} gave other log-probs when replayed")

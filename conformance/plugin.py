@@ -2,7 +2,7 @@
 (the stack, its versions and device), one stack per (model, dtype) built on first use, and the rule
 that a stack declining a property (`Unsupported`) is reported as skipped, never as passed.
 
-`conformance/conftest.py` imports these hooks and fixtures; `logdiff check` reads `STACK_INFO`.
+`conformance/conftest.py` imports these hooks and fixtures; `logdiff check` reads `stack_info`.
 """
 
 from __future__ import annotations
@@ -12,17 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from logdiff import stacks
+from logdiff import report, stacks
+from logdiff.api import ENTRY_POINT_GROUP, Stack, Unsupported
 from logdiff.errors import UserError
-from logdiff.stacks import Stack, Unsupported
+from logdiff.stacks import StackCache
 from logdiff.workload import Workload
 
 DEFAULT_STACK = "reference"
 MAX_MODEL_LEN = 512  # room for the longest catalogue workload; one build serves every workload
 
 STACK_INFO = pytest.StashKey[dict]()
-_BUILT = pytest.StashKey[dict]()
+_BUILT = pytest.StashKey[StackCache]()
 _XFAILS = pytest.StashKey[dict]()
+_WORKLOADS = pytest.StashKey[list]()
 
 
 def pytest_addoption(parser):
@@ -30,7 +32,7 @@ def pytest_addoption(parser):
     group.addoption(
         "--stack", default=DEFAULT_STACK, metavar="NAME",
         help="stack under test: a built-in name, module:attr, or a name registered under the entry-point "
-             f"group {stacks.ENTRY_POINT_GROUP} (default {DEFAULT_STACK})",
+             f"group {ENTRY_POINT_GROUP} (default {DEFAULT_STACK})",
     )
     group.addoption(
         "--xfails-file", metavar="PATH",
@@ -47,7 +49,7 @@ def pytest_configure(config):
         raise pytest.UsageError(str(e)) from None
     path = config.getoption("--xfails-file")
     config.stash[_XFAILS] = read_xfails(Path(path)) if path else {}
-    config.stash[_BUILT] = {}
+    config.stash[_BUILT] = StackCache()
 
 
 def read_xfails(path: Path) -> dict[str, int]:
@@ -55,7 +57,8 @@ def read_xfails(path: Path) -> dict[str, int]:
     try:
         lines = path.read_text().splitlines()
     except OSError as e:
-        raise pytest.UsageError(f"cannot read --xfails-file {path} ({e.strerror}); pass a text file, one test id per line") from None
+        raise pytest.UsageError(
+            f"cannot read --xfails-file {path} ({e.strerror}); pass a text file, one test id per line") from None
     ids = {}
     for number, line in enumerate(lines, 1):
         test_id = line.split("#", 1)[0].strip()
@@ -89,6 +92,20 @@ def _declined_is_skipped(item):
         return (yield)
     except Unsupported as e:
         pytest.skip(f"stack {item.config.getoption('--stack')} declines: {e}")
+    except AssertionError as e:
+        e.add_note(reproducer(item))
+        raise
+
+
+def reproducer(item) -> str:
+    """The command lines that reproduce a failing test: the test itself, and `logdiff run` / `logdiff
+    bisect` on each workload it ran."""
+    stack = item.config.getoption("--stack")
+    lines = [f"reproduce: pytest --pyargs logdiff.conformance --stack {stack} -k '{item.name}'"]
+    for w in dict.fromkeys(item.stash.get(_WORKLOADS, [])):
+        lines.append(f"reproduce: logdiff run --stack {stack} {w.command_line()}")
+        lines.append(f"locate:    logdiff bisect --stack {stack} {w.command_line()}")
+    return "\n".join(lines)
 
 
 # Fixtures run in setup, tests in call: a stack may decline in either.
@@ -104,17 +121,8 @@ def pytest_runtest_call(item):
 
 def build_stack(config, model: str, seed: int, dtype: str) -> Stack:
     """The stack under test for this model and dtype, built once; a declined build is remembered."""
-    key = (model, seed, dtype)
-    built = config.stash[_BUILT]
-    if key not in built:
-        workload = Workload(model=model, seed=seed, dtype=dtype)
-        try:
-            built[key] = stacks.build(config.getoption("--stack"), workload.spec, workload.torch_dtype, MAX_MODEL_LEN)
-        except Unsupported as e:
-            built[key] = e
-    if isinstance(built[key], Unsupported):
-        raise built[key]
-    return built[key]
+    workload = Workload(model=model, seed=seed, dtype=dtype)
+    return config.stash[_BUILT].get(config.getoption("--stack"), workload.spec, workload.torch_dtype, MAX_MODEL_LEN)
 
 
 def stack_info(config) -> dict:
@@ -126,7 +134,7 @@ def stack_info(config) -> dict:
             describe = build_stack(config, default.model, default.seed, default.dtype).describe()
         except Unsupported as e:
             describe = {"name": name, "unavailable": str(e)}
-        config.stash[STACK_INFO] = {"stack": name, "describe": describe, "platform": stacks.platform_info()}
+        config.stash[STACK_INFO] = {"stack": name, "describe": describe, "platform": report.platform_info()}
     return config.stash[STACK_INFO]
 
 
@@ -146,12 +154,26 @@ def pytest_report_header(config):
 
 
 @pytest.fixture(scope="session")
-def stack_for(pytestconfig):
-    """stack_for(workload) -> the stack under test, built for the workload's model and dtype."""
+def stack_builder(pytestconfig):
+    """stack_builder(workload) -> the stack under test, built for the workload's model and dtype (once per
+    session). For fixtures wider than one test; tests use `stack_for`."""
 
     def get(workload: Workload) -> Stack:
         if workload.max_model_len > MAX_MODEL_LEN:
-            raise ValueError(f"catalogue workload needs {workload.max_model_len} positions, stacks are built with {MAX_MODEL_LEN}")
+            raise ValueError(
+                f"catalogue workload needs {workload.max_model_len} positions, stacks are built with {MAX_MODEL_LEN}")
         return build_stack(pytestconfig, workload.model, workload.seed, workload.dtype)
+
+    return get
+
+
+@pytest.fixture
+def stack_for(request, stack_builder):
+    """stack_for(workload) -> the stack under test; the workload is remembered for the failure's reproducer."""
+    used = request.node.stash.setdefault(_WORKLOADS, [])
+
+    def get(workload: Workload) -> Stack:
+        used.append(workload)
+        return stack_builder(workload)
 
     return get

@@ -6,7 +6,7 @@ every point of LAYER_POINTS; then `final_norm`, `logits`, `logprob`. A stack cap
 see (transformers, for one, has no module whose output is the rotated q/k); bisect compares the points
 both paths of a stack captured.
 
-The protocol a stack follows (see `logdiff.stacks`): before each forward it calls
+The protocol a stack follows (see `logdiff.api.Stack`): before each forward it calls
 `locate(capture, request, position, head)` to say which (request, position) each packed row of that
 forward holds, then `capture(name, tensor)` at each point with the rows first: [N, ...] for token
 points, [len(head), ...] for `logits` and `logprob`, which exist only for the rows whose next token is
@@ -104,17 +104,6 @@ def captured_inputs(name: str, captured: set[str], config: ModelConfig) -> list[
     order = {name: i for i, name in enumerate(point_names(config.num_hidden_layers))}
     kept = [(s, scope) for s, scope in found if scope == CONTEXT or (s, CONTEXT) not in found]
     return sorted(kept, key=lambda pair: order[pair[0]])
-
-
-def locate(capture, request: torch.Tensor, position: torch.Tensor, head: torch.Tensor | None = None) -> None:
-    """Tells a row-aware capture which (request, position) each row of the coming forward holds.
-
-    request [N] (-1 for padding rows), position [N], head: the rows whose logits and log-probs follow
-    (None: all N). Plain callables have no `locate` and are left alone.
-    """
-    announce = getattr(capture, "locate", None)
-    if announce is not None:
-        announce(request, position, head)
 
 
 class Recorder:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from logdiff import report, stacks
-from logdiff.bisect import (
+from logdiff.api import Unsupported
+from logdiff.bisect.capture import split_name
+from logdiff.bisect.locate import (
     KERNEL_PATH,
     Bisection,
     Finding,
@@ -13,9 +15,9 @@ from logdiff.bisect import (
     RowDiff,
     bisect,
 )
-from logdiff.capture import split_name
+from logdiff.cli.options import add_workload_args, stack_names, workload_from_args
 from logdiff.errors import UserError
-from logdiff.options import add_workload_args, progress, stack_names, workload_from_args
+from logdiff.report import progress
 
 SHOWN_LAYERS = 4  # text table columns; the JSON and the heatmap hold every layer
 
@@ -25,7 +27,7 @@ WHY = {
 }
 
 
-def add_bisect(sub) -> None:
+def add(sub) -> None:
 
     p = sub.add_parser("bisect", help="find the first op where a stack's trainer and rollout engine differ, and why")
     add_workload_args(p, stacks_default=("baseline",))
@@ -52,7 +54,7 @@ def cmd_bisect(args) -> int:
     stack = stacks.build(names[0], workload.spec, workload.torch_dtype, workload.max_model_len)
     try:
         result = bisect(stack, workload, progress)
-    except stacks.Unsupported as e:
+    except Unsupported as e:
         raise UserError(f"stack {names[0]!r} cannot run this workload ({e}); change the workload options") from None
     except NotReproduced as e:
         print(f"logdiff bisect: {e}: the stack is not run-to-run deterministic, so captures cannot be compared")
@@ -64,7 +66,7 @@ def cmd_bisect(args) -> int:
 
 
 def _write(path: str, result: Bisection, stack) -> None:
-    from logdiff.bisect_plots import plot_first_divergence, plot_logdiff
+    from logdiff.bisect.plots import plot_first_divergence, plot_logdiff
 
     logdiff_png, heatmap_png = picture_paths(path)
     title = f"logdiff bisect {result.stack}\n{result.workload.describe()}"

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from logdiff.engine import Request
-from logdiff.stacks import Stack
+from logdiff.api import Request, Stack, TrainerInputs
 from logdiff.workload import Workload
 
 
@@ -99,8 +98,8 @@ def measure(stack: Stack, case: Case, workload: Workload) -> Measurement:
         return Measurement(full - prefill, case.counted_tokens, outputs)
     start = time.perf_counter()
     rollout = stack.rollout(requests)
-    sequences = [list(r.prompt) + o.tokens for r, o in zip(requests, rollout)]
-    stack.trainer_logprobs(sequences, [len(r.prompt) for r in requests], [r.temperature for r in requests])
+    scored = TrainerInputs.after(requests, rollout)
+    stack.trainer_logprobs(scored.sequences, scored.score_from, scored.temperatures)
     return Measurement(time.perf_counter() - start, case.counted_tokens, [o.tokens for o in rollout])
 
 

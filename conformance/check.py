@@ -1,103 +1,41 @@
-"""`logdiff check --stack NAME`: the conformance catalogue on one stack, as a verdict per property.
-
-Runs `conformance/` (installed as logdiff.conformance) with pytest in this process, shows a progress
-line per test, prints a property x verdict table and writes under `results/<machine>/<stack>/`:
-`check.json` (the result envelope: every test with its outcome, message and compared figures),
-`check.md` (the table, failures, skips) and two offline SVG badges: `conformance.svg` (property
-verdicts) and `logdiff.svg` (max |rollout - trainer| over every rollout-vs-trainer comparison).
-Exit status 0 unless a property fails outside the expected-failures file; a property the stack
-declines entirely is reported as skipped (and the stack's verdict as partial), never as passed.
-"""
+"""Running the conformance catalogue in-process and summarising it: a verdict per property, the
+result files of `logdiff check` (check.json, check.md, conformance.svg, logdiff.svg)."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from logdiff import report, stacks
-from logdiff.errors import UserError
-from logdiff.options import progress
+from logdiff import report
+from logdiff.report import progress
+
+from . import CATALOGUE, property_of
+from .plugin import pytest_report_header, stack_info
 
 RESULT_FILES = ("check.json", "check.md", "conformance.svg", "logdiff.svg")
 
 
-def add_check(sub) -> None:
-    p = sub.add_parser(
-        "check", help="run the conformance catalogue (C1-C12) on one stack; exit 0 only if every property passes",
-    )
-    p.add_argument("--stack", required=True, metavar="NAME", help="the stack: built-in name, module:attr or entry point")
-    p.add_argument("--xfails-file", metavar="PATH", help="known gaps: one test id per line, reported as xfail")
-    p.add_argument("--property", action="append", dest="properties", metavar="ID",
-                   help="run only this property, repeatable, e.g. --property C3 (default: the whole catalogue)")
-    p.add_argument("--out", metavar="DIR", help="results folder (default results/<machine>/<stack>)")
-    p.set_defaults(func=cmd_check)
-
-
-def cmd_check(args) -> int:
+def run_catalogue(stack: str, selected: list[str], xfails_file: str | None) -> Collector:
+    """The catalogue's tests of the `selected` properties on `stack`, in this process, one progress line per test."""
     import pytest
 
-    import logdiff.conformance as conformance
-
-    stacks.resolve(args.stack)
-    selected = _selected_properties(args.properties, conformance.CATALOGUE)
-    if args.xfails_file and not Path(args.xfails_file).is_file():
-        raise UserError(f"--xfails-file {args.xfails_file} is not a file; pass a text file with one test id per line")
-    out = _out_dir(args.out, args.stack)
-
     # pytest's own terminal output gives way to the progress lines and the table; addopts (-ra) need it.
-    pytest_args = [str(Path(conformance.__file__).parent), f"--stack={args.stack}", "-p", "no:cacheprovider",
+    pytest_args = [str(Path(__file__).parent), f"--stack={stack}", "-p", "no:cacheprovider",
                    "-p", "no:terminal", "-o", "addopts="]
-    if args.xfails_file:
-        pytest_args.append(f"--xfails-file={args.xfails_file}")
-    if args.properties:
+    if xfails_file:
+        pytest_args.append(f"--xfails-file={xfails_file}")
+    if selected != list(CATALOGUE):
         pytest_args += ["-k", " or ".join(f"test_c{p[1:]}_" for p in selected)]
     collector = Collector()
-
-    progress(f"logdiff check: stack {args.stack}, properties {', '.join(selected)}")
+    progress(f"logdiff check: stack {stack}, properties {', '.join(selected)}")
     code = pytest.main(pytest_args, plugins=[collector])
     if code == pytest.ExitCode.INTERRUPTED:
         raise KeyboardInterrupt
     if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED) or collector.errors:
         raise RuntimeError(f"the conformance run did not complete (pytest exit {int(code)}): {'; '.join(collector.errors)}")
+    return collector
 
-    verdicts = summarise(collector.results, selected, conformance.CATALOGUE)
-    entry = {
-        "name": args.stack,
-        "describe": collector.stack_info.get("describe", {}),
-        "verdict": overall_verdict(verdicts),
-        "max_abs_logdiff": max_abs_logdiff(collector.results),
-        "properties": verdicts,
-        "tests": [asdict(r) for r in collector.results],
-    }
-    catalogue = {"catalogue": {p: conformance.CATALOGUE[p] for p in selected}, "xfails_file": args.xfails_file}
-    rows = table_rows(verdicts)
-    print(report.table(rows))
-    for r in collector.results:
-        if r.outcome == "fail":
-            print(f"\nFAIL {r.id}\n  " + r.message.replace("\n", "\n  "))
-    write_results(out, report.envelope("check", catalogue, [entry]), collector.header, rows, collector.results, entry)
-    print(f"\nwrote {', '.join(RESULT_FILES)} to {out}")
-    return 1 if entry["verdict"] == "fail" else 0
-
-
-def _selected_properties(requested, catalogue) -> list[str]:
-    if not requested:
-        return list(catalogue)
-    chosen = []
-    for p in requested:
-        pid = p.upper()
-        if pid not in catalogue:
-            raise UserError(f"unknown property {p!r}; choose from {', '.join(catalogue)}")
-        chosen.append(pid)
-    return [p for p in catalogue if p in chosen]
-
-
-def _out_dir(path: str | None, stack: str) -> Path:
-    return report.output_dir(path or report.results_dir(re.sub(r"[^\w.-]+", "_", stack)), "--out")
-
-
-# --------------------------------------------------------------------------- collecting test reports
 
 
 @dataclass
@@ -129,7 +67,6 @@ class Collector:
             self.errors.append(f"cannot collect {report.nodeid}: {report.longreprtext.strip().splitlines()[-1]}")
 
     def pytest_collection_finish(self, session):
-        from logdiff.pytest_plugin import pytest_report_header, stack_info
 
         self.total = len(session.items)
         self.header = pytest_report_header(session.config)
@@ -141,13 +78,10 @@ class Collector:
     def pytest_warning_recorded(self, warning_message, when, nodeid, location):
         import pytest
 
-
         if isinstance(warning_message.message, pytest.PytestWarning):  # e.g. an xfails line naming no test
             progress(f"warning: {warning_message.message}")
 
     def pytest_runtest_logreport(self, report):
-        from logdiff.conformance import property_of
-
         name = report.nodeid.split("::")[-1]
         result = self.by_id.setdefault(report.nodeid, TestResult(name, property_of(name) or "?"))
         result.seconds += report.duration

@@ -1,11 +1,9 @@
-"""`logdiff bench`: Eager-mode throughput of stacks side by side, as ratios with spread.
-
-Every case is timed `--repeats` times on every stack, interleaved (reference, baseline, naive, hf,
-reference, ...) after one untimed warm-up run per stack and case, so slow drift of the machine (other
-jobs, thermals) hits all stacks alike. Rollout cases also compare the generated token ids with the
-first stack's: every stack must generate the same number of tokens, and the share of equal ids is
-reported (greedy on the same weights: equal in fp32; in bf16 an unaligned stack's rounding flips
-near-ties, after which its sequence differs but costs the same).
+"""Runs the throughput cases on stacks, interleaved: every case `repeats` times on every stack (reference,
+baseline, naive, hf, reference, ...) after one untimed warm-up per stack and case, so slow drift of the
+machine (other jobs, thermals) hits all stacks alike. Rollout cases also compare the generated token
+ids with the first stack's: every stack must generate the same number of tokens, and the share of
+equal ids is reported (greedy on the same weights: equal in fp32; in bf16 an unaligned stack's
+rounding flips near-ties, after which its sequence differs but costs the same).
 """
 
 from __future__ import annotations
@@ -16,66 +14,15 @@ import time
 
 import torch
 
-from logdiff import report, stacks
-from logdiff.bench_cases import CASES, Measurement, measure, token_agreement
-from logdiff.bench_kernels import KERNEL_CASES, KERNEL_STACKS, measure_kernel
-from logdiff.errors import UserError
+from logdiff import stacks
+from logdiff.api import Unsupported
+from logdiff.bench.cases import CASES, Measurement, measure, token_agreement
+from logdiff.bench.kernel_cases import KERNEL_CASES, measure_kernel
+from logdiff.stacks import KERNEL_STACKS
+from logdiff.weights import parse_dtype
 
-DEFAULT_STACKS = ("reference", "baseline", "naive", "hf")
 MODEL_CASES = tuple(CASES)
 ALL_CASES = MODEL_CASES + tuple(KERNEL_CASES)
-
-
-def add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="Eager-mode throughput of stacks, interleaved, as ratios with spread; JSON, badge, plot")
-    p.add_argument("--stack", action="append", dest="stacks", metavar="NAME",
-                   help=f"stack to time, repeatable (default: {', '.join(DEFAULT_STACKS)}); the first is the numerator of every ratio")
-    p.add_argument("--model", default="qwen3-moe-small", help="named config or checkpoint directory (default qwen3-moe-small)")
-    p.add_argument("--dtype", default="bf16", help="fp32, bf16 or fp16 (default bf16)")
-    p.add_argument("--case", action="append", dest="cases", metavar="CASE",
-                   help=f"case to time, repeatable: {', '.join(ALL_CASES)}, 'model' (the first {len(MODEL_CASES)}, "
-                        "the default) or 'all'; the kernel cases run at qwen3-30b-a3b shapes whatever --model says")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per stack and case (default 5)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's default, one per core)")
-    p.add_argument("--out", metavar="DIR", help="folder for JSON, badge and plot (default results/<machine>/bench)")
-    p.set_defaults(func=cmd_bench)
-
-
-def selected_cases(names: list[str] | None) -> list[str]:
-    chosen: list[str] = []
-    for name in names or ["model"]:
-        expanded = {"model": MODEL_CASES, "all": ALL_CASES}.get(name, (name,))
-        for case in expanded:
-            if case not in ALL_CASES:
-                raise UserError(f"unknown case {case!r}; choose from {', '.join(ALL_CASES)}, model or all")
-            if case not in chosen:
-                chosen.append(case)
-    return chosen
-
-
-def cmd_bench(args) -> int:
-    from logdiff.bench_output import print_summary, write_outputs
-    from logdiff.weights import ModelSpec, parse_dtype
-
-    if args.repeats < 1:
-        raise UserError(f"--repeats {args.repeats} is not positive; pass 1 or more (3-5 give a spread)")
-    parse_dtype(args.dtype)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UserError(f"--threads {args.threads} is not positive; pass 1 or more, or leave it out")
-        torch.set_num_threads(args.threads)
-    names = args.stacks or list(DEFAULT_STACKS)
-    for name in names:
-        stacks.resolve(name)
-    cases = selected_cases(args.cases)
-    ModelSpec(args.model).config()
-    out = report.output_dir(args.out or report.results_dir("bench"), "--out")
-
-    result = run_bench(names, cases, args.model, args.dtype, args.repeats)
-    print_summary(result)
-    for path in write_outputs(result, out):
-        print(f"wrote {path}")
-    return 0
 
 
 def run_bench(names: list[str], cases: list[str], model: str, dtype: str, repeats: int) -> dict:
@@ -107,7 +54,7 @@ def _bench_model_case(case, names, model, dtype, repeats, bar) -> dict:
         bar.set_postfix_str(f"{case.name}: building {name}")
         try:
             built[name] = stacks.build(name, workload.spec, workload.torch_dtype, workload.max_model_len)
-        except stacks.Unsupported as e:
+        except Unsupported as e:
             skipped[name] = str(e)
     timings: dict[str, list[Measurement]] = {name: [] for name in built}
     for rep in range(repeats + 1):  # repeat 0 warms up
@@ -115,7 +62,7 @@ def _bench_model_case(case, names, model, dtype, repeats, bar) -> dict:
             bar.set_postfix_str(f"{case.name}: {name} {'warm-up' if rep == 0 else f'{rep}/{repeats}'}")
             try:
                 m = measure(stack, case, workload)
-            except stacks.Unsupported as e:
+            except Unsupported as e:
                 skipped[name] = str(e)
                 del built[name], timings[name]
                 bar.update(repeats + 1 - rep)
@@ -150,7 +97,7 @@ def _token_check(timings: dict[str, list[Measurement]]) -> dict:
 
 
 def _bench_kernel_case(case: str, dtype: str, repeats: int, bar) -> dict:
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    torch_dtype = parse_dtype(dtype)
     spec = KERNEL_CASES[case]
     inputs = spec.inputs(torch_dtype)
     outputs, times = {}, {name: [] for name in KERNEL_STACKS}

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from logdiff import stacks
 from logdiff.errors import UserError
+from logdiff.stacks import RUN_STACKS
 from logdiff.workload import DEFAULT_PROMPT_LENS, Workload
-
-DEFAULT_STACKS = ("reference", "baseline")
 
 
 class Parser(argparse.ArgumentParser):
@@ -27,16 +25,18 @@ def int_list(text: str) -> tuple[int, ...]:
     return values
 
 
-def add_workload_args(p: argparse.ArgumentParser, stacks_default=DEFAULT_STACKS) -> None:
+def add_workload_args(p: argparse.ArgumentParser, stacks_default=RUN_STACKS) -> None:
     d = Workload()
     p.add_argument("--stack", action="append", dest="stacks", metavar="NAME",
-                   help=f"stack to test, repeatable: built-in, module:attr or entry point (default: {', '.join(stacks_default)})")
+                   help=f"stack to test, repeatable: built-in, module:attr, entry point, or all (every built-in) "
+                        f"(default: {', '.join(stacks_default)})")
     p.add_argument("--model", default=d.model, help=f"named config or checkpoint directory (default {d.model})")
     p.add_argument("--dtype", default=d.dtype, help="fp32, bf16 or fp16 (default fp32)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"requests (default {d.batch_size})")
     p.add_argument("--prompt-lens", type=int_list, default=DEFAULT_PROMPT_LENS,
-                   help="prompt length per request, cycled to the batch size (default %s)" % ",".join(map(str, DEFAULT_PROMPT_LENS)))
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help=f"tokens per response (default {d.max_new_tokens})")
+                   help=f"prompt length per request, cycled to the batch size (default {','.join(map(str, d.prompt_lens))})")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+                   help=f"tokens per response (default {d.max_new_tokens})")
     p.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature, 0 = greedy (default 0)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of weights, prompts and sampling (default 0)")
     p.add_argument("--block-size", type=int, default=d.block_size, help=f"KV cache page size (default {d.block_size})")
@@ -58,10 +58,9 @@ def workload_from_args(args) -> Workload:
 
 def stack_names(args) -> list[str]:
     names = args.stacks or list(args.stacks_default)
+    if "all" in names:  # every built-in stack, in registry order
+        at = names.index("all")
+        names = names[:at] + [n for n in stacks.builtin_stacks() if n not in names] + names[at + 1:]
     for name in names:
         stacks.resolve(name)
     return names
-
-
-def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,131 @@
+"""The stack contract: everything a candidate stack implements or receives, in one module that needs
+only torch.
+
+A stack is a (trainer, rollout engine) pair under test. A stack factory is any callable
+`factory(spec: ModelSpec, dtype: torch.dtype, max_model_len: int) -> Stack`; `logdiff` finds it by a
+built-in name, by `module:attr`, or by a name that an installed package registers under the entry-point
+group `logdiff.stacks` (see `logdiff.stacks`). The factory's docstring is its line in `logdiff list`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+ENTRY_POINT_GROUP = "logdiff.stacks"
+DEFAULT_PAGE_SIZE = 128  # tokens per KV page; the seed's KV block
+
+Capture = Optional[Callable[[str, torch.Tensor], None]]
+
+
+class Unsupported(Exception):
+    """Raised by a stack that declines a dtype, an engine option or a property; the suite reports a skip
+    with this reason, never a pass."""
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    temperature: float = 0.0  # 0 = greedy
+    seed: int = 0  # per-request sampling seed
+    arrival: int = 0  # engine step at which the request joins the batch
+
+
+@dataclass
+class RolloutOutput:
+    tokens: list[int]
+    logprobs: torch.Tensor  # fp32 [len(tokens)]: what the engine computed when it sampled each token
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    page_size: int = DEFAULT_PAGE_SIZE
+    prefill_chunk: int | None = None
+    shuffle_pages: int | None = None  # seed permuting the block tables
+
+
+@dataclass(frozen=True)
+class TrainerInputs:
+    """What the trainer scores after a rollout: prompt + response, scored from the first response token,
+    at the temperature the rollout sampled with."""
+
+    sequences: list[list[int]]
+    score_from: list[int]
+    temperatures: list[float]
+
+    @classmethod
+    def after(cls, requests: Sequence[Request], outputs: Sequence[RolloutOutput]) -> TrainerInputs:
+        return cls(
+            [list(r.prompt) + o.tokens for r, o in zip(requests, outputs)],
+            [len(r.prompt) for r in requests],
+            [r.temperature for r in requests],
+        )
+
+
+class Stack(ABC):
+    """What a candidate implements. Both paths return fp32 log-probs, one tensor per sequence.
+
+    Capabilities are attributes, read by the suite before it asks for anything:
+      device            where the stack computes ("cpu", "cuda:0", "npu:0"), for report headers
+      supports_capture  `rollout` and `trainer_logprobs` take `capture=` (`logdiff bisect` needs it)
+
+    The capture protocol: when `capture` is given, the stack calls, before every model forward,
+    `locate(capture, request, position, head)`: the request index (-1 for padding) and absolute position
+    of each row of that forward, and the rows whose next-token logits and log-probs it computes; then
+    `capture(name, tensor)` at each capture point it can observe, rows first, in the order just announced
+    (`logits`, `logprob`: the `head` rows). Point names and their order are
+    `logdiff.bisect.capture.point_names`. With `capture=None` the stack runs exactly as without the hook.
+    """
+
+    name: str = "unnamed"
+    device: str = "cpu"
+    supports_capture: bool = False
+
+    @abstractmethod
+    def rollout(self, requests: Sequence[Request], options: EngineOptions = EngineOptions()) -> list[RolloutOutput]:
+        """Generate `max_new_tokens` tokens per request, with the log-prob of each sampled token."""
+
+    @abstractmethod
+    def trainer_logprobs(
+        self, sequences: Sequence[Sequence[int]], score_from: Sequence[int], temperatures: Sequence[float],
+        grad: bool = False,
+    ) -> list[torch.Tensor]:
+        """Teacher-forced log p(token i | tokens < i) for i >= score_from[s] (temperature 0 scores at 1)."""
+
+    def prompt_logprobs(
+        self, sequences: Sequence[Sequence[int]], score_from: Sequence[int], temperatures: Sequence[float],
+        options: EngineOptions = EngineOptions(),
+    ) -> list[torch.Tensor]:
+        """Optional (conformance C4): what `trainer_logprobs` returns, computed by the rollout engine from
+        one prefill over each whole sequence, as vLLM's `prompt_logprobs` does."""
+        raise Unsupported(f"stack {self.name} does not score given tokens with its rollout engine (prompt_logprobs)")
+
+    def trainer_parameters(self) -> dict[str, torch.Tensor]:
+        """Optional (conformance C11, `logdiff train`): the trainer's parameters by name. The suite switches
+        their `requires_grad` on, differentiates `trainer_logprobs(..., grad=True)` with respect to them,
+        and switches it off again."""
+        raise Unsupported(f"stack {self.name} does not expose its trainer's parameters (trainer_parameters)")
+
+    def describe(self) -> dict:
+        """Versions and device, for report headers."""
+        from logdiff import __version__
+
+        return {"name": self.name, "device": self.device, "versions": {"logdiff": __version__, "torch": torch.__version__}}
+
+
+def locate(capture: Capture, request: torch.Tensor, position: torch.Tensor, head: torch.Tensor | None = None) -> None:
+    """Tells a row-aware capture which (request, position) each row of the coming forward holds.
+
+    request [N] (-1 for padding rows), position [N], head: the rows whose logits and log-probs follow
+    (None: all N). Plain callables have no `locate` and are left alone.
+    """
+    announce = getattr(capture, "locate", None)
+    if announce is not None:
+        announce(request, position, head)
+
+
+StackFactory = Callable[..., Stack]  # (spec: ModelSpec, dtype: torch.dtype, max_model_len: int) -> Stack

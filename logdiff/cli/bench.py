@@ -1,0 +1,65 @@
+"""`logdiff bench`: Eager-mode throughput of stacks side by side, as ratios with spread (see logdiff.bench)."""
+
+from __future__ import annotations
+
+import torch
+
+from logdiff import report, stacks
+from logdiff.bench.run import ALL_CASES, MODEL_CASES, run_bench
+from logdiff.errors import UserError
+from logdiff.stacks import BENCH_STACKS
+
+
+def add(sub) -> None:
+    p = sub.add_parser("bench", help="Eager-mode throughput of stacks, interleaved, as ratios with spread; JSON, badge, plot")
+    p.add_argument("--stack", action="append", dest="stacks", metavar="NAME",
+                   help=f"stack to time, repeatable (default: {', '.join(BENCH_STACKS)}); "
+                        "the first is the numerator of every ratio")
+    p.add_argument("--model", default="qwen3-moe-small", help="named config or checkpoint directory (default qwen3-moe-small)")
+    p.add_argument("--dtype", default="bf16", help="fp32, bf16 or fp16 (default bf16)")
+    p.add_argument("--case", action="append", dest="cases", metavar="CASE",
+                   help=f"case to time, repeatable: {', '.join(ALL_CASES)}, 'model' (the first {len(MODEL_CASES)}, "
+                        "the default) or 'all'; the kernel cases run at qwen3-30b-a3b shapes whatever --model says")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per stack and case (default 5)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's default, one per core)")
+    p.add_argument("--out", metavar="DIR", help="folder for JSON, badge and plot (default results/<machine>/bench)")
+    p.set_defaults(func=cmd_bench)
+
+
+def selected_cases(names: list[str] | None) -> list[str]:
+    chosen: list[str] = []
+    for name in names or ["model"]:
+        expanded = {"model": MODEL_CASES, "all": ALL_CASES}.get(name, (name,))
+        for case in expanded:
+            if case not in ALL_CASES:
+                raise UserError(f"unknown case {case!r}; choose from {', '.join(ALL_CASES)}, model or all")
+            if case not in chosen:
+                chosen.append(case)
+    return chosen
+
+
+def cmd_bench(args) -> int:
+    from logdiff.bench.output import print_summary, write_outputs
+    from logdiff.weights import ModelSpec, parse_dtype
+
+    if args.repeats < 1:
+        raise UserError(f"--repeats {args.repeats} is not positive; pass 1 or more (3-5 give a spread)")
+    parse_dtype(args.dtype)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError(f"--threads {args.threads} is not positive; pass 1 or more, or leave it out")
+        torch.set_num_threads(args.threads)
+    names = args.stacks or list(BENCH_STACKS)
+    for name in names:
+        stacks.resolve(name)
+    cases = selected_cases(args.cases)
+    ModelSpec(args.model).config()
+    out = report.output_dir(args.out or report.results_dir("bench"), "--out")
+
+    result = run_bench(names, cases, args.model, args.dtype, args.repeats)
+    print_summary(result)
+    for path in write_outputs(result, out):
+        print(f"wrote {path}")
+    return 0
+
+

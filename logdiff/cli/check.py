@@ -1,0 +1,89 @@
+"""`logdiff check --stack NAME`: the conformance catalogue on one stack, as a verdict per property.
+
+Runs `conformance/` (installed as logdiff.conformance) with pytest in this process, shows a progress
+line per test, prints a property x verdict table and writes under `results/<machine>/<stack>/`:
+`check.json` (the result envelope: every test with its outcome, message and compared figures),
+`check.md` (the table, failures, skips) and two offline SVG badges: `conformance.svg` (property
+verdicts) and `logdiff.svg` (max |rollout - trainer| over every rollout-vs-trainer comparison).
+Exit status 0 unless a property fails outside the expected-failures file; a property the stack
+declines entirely is reported as skipped (and the stack's verdict as partial), never as passed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict
+from pathlib import Path
+
+from logdiff import report, stacks
+from logdiff.errors import UserError
+
+
+def add(sub) -> None:
+    p = sub.add_parser(
+        "check", help="run the conformance catalogue (C1-C12) on one stack; exit 0 only if every property passes",
+    )
+    p.add_argument("--stack", required=True, metavar="NAME", help="the stack: built-in name, module:attr or entry point")
+    p.add_argument("--xfails-file", metavar="PATH", help="known gaps: one test id per line, reported as xfail")
+    p.add_argument("--property", action="append", dest="properties", metavar="ID",
+                   help="run only this property, repeatable, e.g. --property C3 (default: the whole catalogue)")
+    p.add_argument("--out", metavar="DIR", help="results folder (default results/<machine>/<stack>)")
+    p.set_defaults(func=cmd_check)
+
+
+def cmd_check(args) -> int:
+    import logdiff.conformance as conformance
+    from logdiff.conformance.check import (
+        RESULT_FILES,
+        max_abs_logdiff,
+        overall_verdict,
+        run_catalogue,
+        summarise,
+        table_rows,
+        write_results,
+    )
+
+    stacks.resolve(args.stack)
+    selected = _selected_properties(args.properties, conformance.CATALOGUE)
+    if args.xfails_file and not Path(args.xfails_file).is_file():
+        raise UserError(f"--xfails-file {args.xfails_file} is not a file; pass a text file with one test id per line")
+    out = _out_dir(args.out, args.stack)
+
+    collector = run_catalogue(args.stack, selected, args.xfails_file)
+
+    verdicts = summarise(collector.results, selected, conformance.CATALOGUE)
+    entry = {
+        "name": args.stack,
+        "describe": collector.stack_info.get("describe", {}),
+        "verdict": overall_verdict(verdicts),
+        "max_abs_logdiff": max_abs_logdiff(collector.results),
+        "properties": verdicts,
+        "tests": [asdict(r) for r in collector.results],
+    }
+    catalogue = {"catalogue": {p: conformance.CATALOGUE[p] for p in selected}, "xfails_file": args.xfails_file}
+    rows = table_rows(verdicts)
+    print(report.table(rows))
+    for r in collector.results:
+        if r.outcome == "fail":
+            print(f"\nFAIL {r.id}\n  " + r.message.replace("\n", "\n  "))
+    write_results(out, report.envelope("check", catalogue, [entry]), collector.header, rows, collector.results, entry)
+    print(f"\nwrote {', '.join(RESULT_FILES)} to {out}")
+    return 1 if entry["verdict"] == "fail" else 0
+
+
+def _selected_properties(requested, catalogue) -> list[str]:
+    if not requested:
+        return list(catalogue)
+    chosen = []
+    for p in requested:
+        pid = p.upper()
+        if pid not in catalogue:
+            raise UserError(f"unknown property {p!r}; choose from {', '.join(catalogue)}")
+        chosen.append(pid)
+    return [p for p in catalogue if p in chosen]
+
+
+def _out_dir(path: str | None, stack: str) -> Path:
+    return report.output_dir(path or report.results_dir(re.sub(r"[^\w.-]+", "_", stack)), "--out")
+
+

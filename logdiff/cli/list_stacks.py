@@ -1,0 +1,27 @@
+"""`logdiff list`: the stacks (built-in and installed plugins) and the named models."""
+
+from __future__ import annotations
+
+from logdiff import report, stacks
+from logdiff.config import NAMED_CONFIGS
+
+
+def add(sub) -> None:
+    p = sub.add_parser("list", help="list stacks and models")
+    p.set_defaults(func=cmd_list)
+
+
+def cmd_list(args) -> int:
+    rows = [{"stack": name, "what it is": stacks.first_line(f.__doc__)} for name, f in stacks.builtin_stacks().items()]
+    rows += [{"stack": name, "what it is": f"plugin {target}"} for name, target in stacks.plugin_stacks().items()]
+    print(report.table(rows))
+    print()
+    models = [
+        {"model": c.name, "layers": c.num_hidden_layers, "hidden": c.hidden_size,
+         "heads q/kv": f"{c.num_attention_heads}/{c.num_key_value_heads}", "head_dim": c.head_dim,
+         "experts": f"{c.num_experts} top-{c.num_experts_per_tok}" if c.is_moe else "dense", "vocab": c.vocab_size}
+        for c in NAMED_CONFIGS.values()
+    ]
+    print(report.table(models))
+    print("\n--model also takes a transformers checkpoint directory (config.json + *.safetensors).")
+    return 0

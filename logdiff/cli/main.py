@@ -1,0 +1,37 @@
+"""`logdiff` command line: one module per command, each with `add(subparsers)`. User mistakes end in one
+line on stderr and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from logdiff.cli import analyze, bench, bisect, check, list_stacks, run
+from logdiff.cli.options import Parser
+from logdiff.errors import UserError
+
+COMMANDS = (run, list_stacks, analyze, bisect, check, bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="logdiff", description="Bitwise rollout-vs-trainer log-prob conformance (logdiff = 0).")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for command in COMMANDS:
+        command.add(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except UserError as e:
+        print(f"logdiff: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("logdiff: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

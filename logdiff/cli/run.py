@@ -1,0 +1,78 @@
+"""`logdiff run`: a workload through stacks, rollout log-probs against the trainer's recompute, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from logdiff import report
+from logdiff.api import Unsupported
+from logdiff.cli.options import add_workload_args, stack_names, workload_from_args
+from logdiff.report import progress
+from logdiff.runner import run_stack
+from logdiff.stacks import StackCache
+
+
+def add(sub) -> None:
+    p = sub.add_parser("run", help="run a workload through stacks and compare rollout vs trainer log-probs bitwise")
+    add_workload_args(p)
+    p.add_argument("--json", metavar="PATH", help="write the JSON result envelope here")
+    p.add_argument("--dump", metavar="DIR", help="write tokens and both log-prob tensors per stack (safetensors)")
+    p.set_defaults(func=cmd_run)
+
+
+def cmd_run(args) -> int:
+    workload = workload_from_args(args)
+    names = stack_names(args)
+    if args.json:
+        report.check_writable(args.json)
+    dump = report.output_dir(args.dump, "--dump") if args.dump else None
+    print(f"logdiff run: {workload.describe()}")
+    rows, results, divergences = [], [], []
+    built = StackCache()
+    for i, name in enumerate(names, 1):
+        progress(f"[{i}/{len(names)}] {name}: building")
+        try:
+            stack = built.get(name, workload.spec, workload.torch_dtype, workload.max_model_len)
+            progress(f"[{i}/{len(names)}] {name}: rollout + trainer recompute")
+            run = run_stack(stack, workload)
+        except Unsupported as e:
+            rows.append({"stack": name, "verdict": f"skipped: {e}"})
+            results.append({"name": name, "verdict": "skipped", "reason": str(e)})
+            continue
+        c = run.comparison
+        rows.append({**report.comparison_row("stack", name, c), "seconds": f"{run.seconds:.1f}"})
+        results.append({"name": name, **c.to_dict(), "seconds": run.seconds, "describe": stack.describe()})
+        divergences.append(report.divergence_line(name, c))
+        if dump:
+            _dump(dump / f"{name.replace(':', '_')}.safetensors", run)
+    print(report.table(rows))
+    for line in filter(None, divergences):
+        print(line)
+    if args.json:
+        report.write_json(args.json, report.envelope("run", workload.to_dict(), results))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _dump(path: Path, run) -> None:
+    from safetensors.torch import save_file
+
+    from logdiff.metrics import pad_sequences, response_mask
+
+    sequences = run.scored.sequences
+    width = max(len(s) for s in sequences)
+    tokens = torch.full((len(sequences), width), -1, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        tokens[i, : len(s)] = torch.tensor(s)
+    tensors = {
+        "tokens": tokens,
+        "prompt_lens": torch.tensor(run.scored.score_from),
+        "rollout_logprobs": pad_sequences([o.logprobs for o in run.rollout]),
+        "trainer_logprobs": pad_sequences([t.detach() for t in run.trainer]),
+        "response_mask": response_mask([o.logprobs for o in run.rollout]),
+    }
+    report.write_atomic(path, lambda tmp: save_file(tensors, str(tmp)))
+
+
