@@ -2,12 +2,13 @@
 
 Run it with `pytest conformance --stack NAME` or `logdiff check --stack NAME`. Test functions are named
 `test_c<N>_<property>`, so a test's property id is read from its name; CATALOGUE gives each id its
-one-line meaning. C8 (parallel invariance) arrives with the distributed engines.
+one-line meaning.
 """
 
 import re
 
 CATALOGUE = {
+    "C0": "fidelity: rollout, trainer and prompt log-probs near an fp64 oracle of the same weights; sampling follows it",
     "C1": "run-to-run determinism of each path",
     "C2": "batch invariance: a sequence's log-probs do not depend on batch size, position or neighbours",
     "C3": "rollout = trainer: the headline logdiff = 0",

@@ -4,6 +4,7 @@ with both values and their bit patterns; every comparison is also recorded on th
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
@@ -61,6 +62,22 @@ class Bitwise:
                     f"{summary}\ngradients differ at {name}[flat {i}]: {hex_bits(xi)} ({float(xi)!r}) vs "
                     f"{hex_bits(yi)} ({float(yi)!r}) (first: {names[0]}, second: {names[1]})"
                 )
+
+    def fidelity(self, sides) -> None:
+        """C0: each side (a logdiff.oracle.Fidelity) within its bounds of the fp64 oracle."""
+        __tracebackhide__ = True
+        for side in sides:
+            self.user_properties.append(("fidelity", side.to_dict()))
+        problems = [side.problem() for side in sides if not side.holds]
+        if problems:
+            raise PropertyViolation("\n".join(problems))
+
+    def sampling(self, fit, temperature: float) -> None:
+        """C0: seeded draws follow the oracle's tempered distribution (a logdiff.oracle.SamplingFit)."""
+        __tracebackhide__ = True
+        self.user_properties.append(("sampling", {"temperature": temperature, **dataclasses.asdict(fit)}))
+        if not fit.holds:
+            raise PropertyViolation(f"at temperature {temperature}: {fit.problem()}")
 
     def _record(self, names, a: torch.Tensor, b: torch.Tensor, unit: str = "log-probs") -> str:
         equal = int((bits(a) == bits(b)).sum())

@@ -1,9 +1,11 @@
 """`pytest conformance --stack NAME [--xfails-file PATH]`: the options, header and stack fixture come
-from logdiff.pytest_plugin; `bitwise` compares and records."""
+from logdiff.conformance.plugin; `bitwise` compares and records."""
 
 import pytest
 
 from logdiff.conformance.plugin import (  # noqa: F401 (pytest finds hooks and fixtures by name here)
+    fresh_for,
+    oracle_for,
     pytest_addoption,
     pytest_collection_modifyitems,
     pytest_configure,
@@ -12,6 +14,7 @@ from logdiff.conformance.plugin import (  # noqa: F401 (pytest finds hooks and f
     pytest_runtest_setup,
     stack_builder,
     stack_for,
+    trainer_for,
 )
 
 from .bitwise import Bitwise

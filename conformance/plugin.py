@@ -20,9 +20,10 @@ from logdiff.workload import Workload
 
 DEFAULT_STACK = "reference"
 MAX_MODEL_LEN = 512  # room for the longest catalogue workload; one build serves every workload
+DEFAULT_EXAMPLES = 4
 
 STACK_INFO = pytest.StashKey[dict]()
-_BUILT = pytest.StashKey[StackCache]()
+_BUILT = pytest.StashKey[dict]()
 _XFAILS = pytest.StashKey[dict]()
 _WORKLOADS = pytest.StashKey[list]()
 
@@ -33,6 +34,14 @@ def pytest_addoption(parser):
         "--stack", default=DEFAULT_STACK, metavar="NAME",
         help="stack under test: a built-in name, module:attr, or a name registered under the entry-point "
              f"group {ENTRY_POINT_GROUP} (default {DEFAULT_STACK})",
+    )
+    group.addoption(
+        "--workload-seed", type=int, default=0, metavar="S",
+        help="seed of the generated workloads (hypothesis) beside the fixed ones (default 0)",
+    )
+    group.addoption(
+        "--workload-examples", type=int, default=DEFAULT_EXAMPLES, metavar="N",
+        help=f"generated workloads per property (default {DEFAULT_EXAMPLES}; 0 runs the fixed workloads only)",
     )
     group.addoption(
         "--xfails-file", metavar="PATH",
@@ -49,7 +58,7 @@ def pytest_configure(config):
         raise pytest.UsageError(str(e)) from None
     path = config.getoption("--xfails-file")
     config.stash[_XFAILS] = read_xfails(Path(path)) if path else {}
-    config.stash[_BUILT] = StackCache()
+    config.stash[_BUILT] = {}
 
 
 def read_xfails(path: Path) -> dict[str, int]:
@@ -102,7 +111,7 @@ def reproducer(item) -> str:
     bisect` on each workload it ran."""
     stack = item.config.getoption("--stack")
     lines = [f"reproduce: pytest --pyargs logdiff.conformance --stack {stack} -k '{item.name}'"]
-    for w in dict.fromkeys(item.stash.get(_WORKLOADS, [])):
+    for w in list(dict.fromkeys(item.stash.get(_WORKLOADS, [])))[-1:]:  # generated tests: the minimal example
         lines.append(f"reproduce: logdiff run --stack {stack} {w.command_line()}")
         lines.append(f"locate:    logdiff bisect --stack {stack} {w.command_line()}")
     return "\n".join(lines)
@@ -119,10 +128,13 @@ def pytest_runtest_call(item):
     return (yield from _declined_is_skipped(item))
 
 
-def build_stack(config, model: str, seed: int, dtype: str) -> Stack:
-    """The stack under test for this model and dtype, built once; a declined build is remembered."""
+def build_stack(config, model: str, seed: int, dtype: str, instance: str = "rollout") -> Stack:
+    """The stack under test for this model and dtype, built once per `instance`; a declined build is
+    remembered. The trainer side is scored on its own instance (a fresh factory call, same weights), so
+    a trainer cannot answer from the rollout's memory."""
     workload = Workload(model=model, seed=seed, dtype=dtype)
-    return config.stash[_BUILT].get(config.getoption("--stack"), workload.spec, workload.torch_dtype, MAX_MODEL_LEN)
+    cache = config.stash[_BUILT].setdefault(instance, StackCache())
+    return cache.get(config.getoption("--stack"), workload.spec, workload.torch_dtype, MAX_MODEL_LEN)
 
 
 def stack_info(config) -> dict:
@@ -153,27 +165,68 @@ def pytest_report_header(config):
     return lines
 
 
-@pytest.fixture(scope="session")
-def stack_builder(pytestconfig):
-    """stack_builder(workload) -> the stack under test, built for the workload's model and dtype (once per
-    session). For fixtures wider than one test; tests use `stack_for`."""
-
+def _builder(config, instance: str):
     def get(workload: Workload) -> Stack:
         if workload.max_model_len > MAX_MODEL_LEN:
             raise ValueError(
                 f"catalogue workload needs {workload.max_model_len} positions, stacks are built with {MAX_MODEL_LEN}")
-        return build_stack(pytestconfig, workload.model, workload.seed, workload.dtype)
+        return build_stack(config, workload.model, workload.seed, workload.dtype, instance)
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def stack_builder(pytestconfig):
+    """stack_builder(workload) -> the stack under test, built for the workload's model and dtype (once per
+    session). For fixtures wider than one test; tests use `stack_for`."""
+    return _builder(pytestconfig, "rollout")
+
+
+def _remembering(request, builder):
+    used = request.node.stash.setdefault(_WORKLOADS, [])
+
+    def get(workload: Workload) -> Stack:
+        used.append(workload)
+        return builder(workload)
 
     return get
 
 
 @pytest.fixture
 def stack_for(request, stack_builder):
-    """stack_for(workload) -> the stack under test; the workload is remembered for the failure's reproducer."""
-    used = request.node.stash.setdefault(_WORKLOADS, [])
+    """stack_for(workload) -> the stack under test (its rollout side); the workload is remembered for the
+    failure's reproducer."""
+    return _remembering(request, stack_builder)
 
-    def get(workload: Workload) -> Stack:
-        used.append(workload)
-        return stack_builder(workload)
+
+@pytest.fixture
+def trainer_for(request, pytestconfig):
+    """trainer_for(workload) -> a second instance of the stack under test, for its trainer side."""
+    return _remembering(request, _builder(pytestconfig, "trainer"))
+
+
+@pytest.fixture
+def fresh_for(request, pytestconfig):
+    """fresh_for(workload) -> a third instance, for determinism across instances (C1)."""
+    return _remembering(request, _builder(pytestconfig, "fresh"))
+
+
+@pytest.fixture(scope="session")
+def oracle_for():
+    """oracle_for(workload) -> the fp64 oracle of the workload's model, with the weights its dtype stores."""
+    from logdiff.oracle import Oracle
+
+    built = {}
+
+    def get(workload: Workload):
+        key = (workload.model, workload.seed, workload.dtype)
+        if key not in built:
+            try:
+                built[key] = Oracle(workload.spec, workload.torch_dtype)
+            except Unsupported as e:
+                built[key] = e
+        if isinstance(built[key], Unsupported):
+            raise built[key]
+        return built[key]
 
     return get

@@ -25,9 +25,10 @@ def rollout_and_sequences(stack: Stack, workload: Workload):
     return outputs, scored.sequences, scored.score_from, scored.temperatures
 
 
-def assert_rollout_matches_trainer(stack: Stack, workload: Workload, bitwise) -> None:
-    """The headline: every sampled token's rollout log-prob equals the trainer's recomputation, bit for bit."""
+def assert_rollout_matches_trainer(stack: Stack, trainer_stack: Stack, workload: Workload, bitwise) -> None:
+    """The headline: every sampled token's rollout log-prob equals the trainer's recomputation, bit for bit.
+    The trainer runs on its own instance of the stack, so it cannot answer from the rollout's memory."""
     __tracebackhide__ = True
     outputs, sequences, score_from, temperatures = rollout_and_sequences(stack, workload)
-    trainer = stack.trainer_logprobs(sequences, score_from, temperatures)
+    trainer = trainer_stack.trainer_logprobs(sequences, score_from, temperatures)
     bitwise.logprobs([o.logprobs for o in outputs], trainer, ("rollout", "trainer"))

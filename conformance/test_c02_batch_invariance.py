@@ -3,6 +3,7 @@ in a batch of mixed lengths, or at another position of that batch."""
 
 import pytest
 
+from .generated import for_each_workload
 from .runs import rollout
 from .workloads import WORKLOADS, all_at_once, scored_sequences, with_dtype
 
@@ -31,3 +32,16 @@ def test_c2_batch_invariance(stack_for, bitwise, path, workload):
     bitwise.logprobs(batch, alone, ("in the batch", "alone"))
     reversed_batch = stack.trainer_logprobs(sequences[::-1], score_from[::-1], temperatures[::-1])[::-1]
     bitwise.logprobs(batch, reversed_batch, ("in the batch", "in the reversed batch"))
+
+
+def test_c2_batch_invariance_generated(stack_for, bitwise, pytestconfig):
+    def check(w):
+        stack = stack_for(w)
+        requests = all_at_once(w.requests())
+        batch = rollout(stack, requests)
+        ends = sorted({0, len(requests) - 1})
+        bitwise.rollouts([batch[i] for i in ends], [rollout(stack, [requests[i]])[0] for i in ends],
+                         ("in the batch", "alone"))
+        bitwise.rollouts(batch, rollout(stack, requests[::-1])[::-1], ("in the batch", "in the reversed batch"))
+
+    for_each_workload(pytestconfig, check)

@@ -4,6 +4,7 @@ the one on which each ablation of the reference kernels must fail."""
 
 import pytest
 
+from .generated import for_each_workload
 from .runs import assert_rollout_matches_trainer
 from .workloads import ABLATION_WORKLOADS, WORKLOADS
 
@@ -11,6 +12,10 @@ CASES = {name: WORKLOADS[name] for name in ("joins-mid-decode", "sampled", "long
 
 
 @pytest.mark.parametrize("workload", list(CASES))
-def test_c3_rollout_matches_trainer(stack_for, bitwise, workload):
+def test_c3_rollout_matches_trainer(stack_for, trainer_for, bitwise, workload):
     w = CASES[workload]
-    assert_rollout_matches_trainer(stack_for(w), w, bitwise)
+    assert_rollout_matches_trainer(stack_for(w), trainer_for(w), w, bitwise)
+
+
+def test_c3_rollout_matches_trainer_generated(stack_for, trainer_for, bitwise, pytestconfig):
+    for_each_workload(pytestconfig, lambda w: assert_rollout_matches_trainer(stack_for(w), trainer_for(w), w, bitwise))

@@ -4,8 +4,10 @@ block, down to one token per forward) gives the same tokens and log-probs as pre
 import pytest
 
 from logdiff.api import EngineOptions
+from logdiff.runner import engine_options
 from logdiff.workload import Workload
 
+from .generated import for_each_workload, workloads
 from .runs import rollout
 
 WORKLOAD = Workload(prompt_lens=(127, 128, 129, 300, 17), batch_size=5, max_new_tokens=6, stagger=1)
@@ -20,3 +22,13 @@ def whole_prompts(stack_builder):
 def test_c5_chunked_prefill_invariance(stack_for, bitwise, whole_prompts, chunk):
     chunked = rollout(stack_for(WORKLOAD), WORKLOAD.requests(), EngineOptions(prefill_chunk=chunk))
     bitwise.rollouts(whole_prompts, chunked, ("whole-prompt prefill", f"prefill in chunks of {chunk}"))
+
+
+def test_c5_chunked_prefill_invariance_generated(stack_for, bitwise, pytestconfig):
+    def check(w):
+        stack, requests = stack_for(w), w.requests()
+        whole = rollout(stack, requests, EngineOptions(page_size=w.block_size))
+        chunked = rollout(stack, requests, engine_options(w))
+        bitwise.rollouts(whole, chunked, ("whole-prompt prefill", f"prefill in chunks of {w.prefill_chunk}"))
+
+    for_each_workload(pytestconfig, check, workloads().filter(lambda w: w.prefill_chunk is not None))

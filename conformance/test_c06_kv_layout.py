@@ -6,6 +6,7 @@ import pytest
 from logdiff.api import EngineOptions
 from logdiff.workload import Workload
 
+from .generated import for_each_workload
 from .runs import rollout
 
 WORKLOAD = Workload(prompt_lens=(1, 127, 129, 300), batch_size=4, max_new_tokens=6, stagger=1)
@@ -27,3 +28,14 @@ def default_layout(stack_builder):
 def test_c6_kv_layout_invariance(stack_for, bitwise, default_layout, layout):
     other = rollout(stack_for(WORKLOAD), WORKLOAD.requests(), LAYOUTS[layout])
     bitwise.rollouts(default_layout, other, ("default KV layout", layout))
+
+
+def test_c6_kv_layout_invariance_generated(stack_for, bitwise, pytestconfig):
+    def check(w):
+        stack, requests = stack_for(w), w.requests()
+        default = rollout(stack, requests, EngineOptions(prefill_chunk=w.prefill_chunk))
+        shuffled = EngineOptions(page_size=w.block_size, prefill_chunk=w.prefill_chunk, shuffle_pages=w.seed + 1)
+        bitwise.rollouts(default, rollout(stack, requests, shuffled),
+                         ("default KV layout", f"page {w.block_size}, shuffled block tables"))
+
+    for_each_workload(pytestconfig, check)

@@ -5,9 +5,12 @@ import dataclasses
 
 import pytest
 
+from logdiff.runner import engine_options
 from logdiff.workload import Workload
 
+from .generated import for_each_workload, workloads
 from .runs import rollout
+from .workloads import all_at_once
 
 PROMPTS = Workload(prompt_lens=(17, 129, 64, 300), batch_size=4, max_new_tokens=8).requests()
 JOINS = ((0, 8), (0, 8), (2, 8), (5, 8))  # (arrival step, new tokens) per request
@@ -29,3 +32,13 @@ def test_c7_continuous_batching(stack_for, bitwise, schedule):
     scheduled = rollout(stack, requests)
     alone = [rollout(stack, [dataclasses.replace(r, arrival=0)])[0] for r in requests]
     bitwise.rollouts(scheduled, alone, (f"schedule {schedule}", "alone"))
+
+
+def test_c7_continuous_batching_generated(stack_for, bitwise, pytestconfig):
+    def check(w):
+        stack, requests = stack_for(w), w.requests()
+        scheduled = rollout(stack, requests, engine_options(w))
+        at_once = rollout(stack, all_at_once(requests), engine_options(w))
+        bitwise.rollouts(scheduled, at_once, (f"joining every {w.stagger} steps", "all at once"))
+
+    for_each_workload(pytestconfig, check, workloads().filter(lambda w: w.stagger > 0 and w.batch_size > 1))

@@ -12,10 +12,10 @@ from .workloads import WORKLOADS, all_at_once, scored_sequences
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
-def test_c10_temperature_applied_identically(stack_for, bitwise, temperature):
+def test_c10_temperature_applied_identically(stack_for, trainer_for, bitwise, temperature):
     w = dataclasses.replace(WORKLOADS["sampled"], temperature=temperature)
     stack = stack_for(w)
-    assert_rollout_matches_trainer(stack, w, bitwise)
+    assert_rollout_matches_trainer(stack, trainer_for(w), w, bitwise)
     if temperature != 1.0:
         sequences, score_from, _ = scored_sequences(w)
         at_t = stack.trainer_logprobs(sequences, score_from, [temperature] * len(sequences))

@@ -12,6 +12,6 @@ MODELS = {"moe": WORKLOADS["block-edges-sampled"], "dense": WORKLOADS["dense"]}
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("model", list(MODELS))
-def test_c12_dtype_coverage(stack_for, bitwise, model, dtype):
+def test_c12_dtype_coverage(stack_for, trainer_for, bitwise, model, dtype):
     w = with_dtype(MODELS[model], dtype)
-    assert_rollout_matches_trainer(stack_for(w), w, bitwise)
+    assert_rollout_matches_trainer(stack_for(w), trainer_for(w), w, bitwise)

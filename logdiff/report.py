@@ -130,6 +130,15 @@ def comparison_row(label: str, name: str, c) -> dict:
     }
 
 
+def run_row(name: str, run) -> dict:
+    """One `logdiff run` row: the bitwise figures, each side's distance from the fp64 oracle, the verdict."""
+    row = comparison_row("stack", name, run.comparison)
+    del row["verdict"]
+    for side in run.fidelity:
+        row[f"{side.side} vs fp64"] = fmt_float(side.max_abs_error)
+    return {**row, "verdict": run.verdict, "seconds": f"{run.seconds:.1f}"}
+
+
 def divergence_line(name: str, c) -> str | None:
     d = c.first_divergence
     if d is None:

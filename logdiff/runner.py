@@ -1,4 +1,5 @@
-"""Runs a workload through a stack: rollout, then trainer recompute of the same tokens, then compare."""
+"""Runs a workload through a stack: rollout, then the trainer's recompute of the same tokens on its own
+instance of the stack, then the bitwise comparison and each side's distance from the fp64 oracle."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from logdiff.api import EngineOptions, RolloutOutput, Stack, TrainerInputs
 from logdiff.metrics import Comparison, compare
+from logdiff.oracle import Fidelity, Oracle, fidelity
 from logdiff.workload import Workload
 
 
@@ -19,19 +21,44 @@ class StackRun:
     rollout: list[RolloutOutput]
     trainer: list[torch.Tensor]
     comparison: Comparison
+    fidelity: list[Fidelity]  # rollout and trainer sides against the oracle; empty when run without one
     seconds: float
+
+    @property
+    def verdict(self) -> str:
+        """pass only if both paths agree bit for bit and both compute the model (C0)."""
+        return "pass" if self.comparison.verdict == "pass" and all(f.holds for f in self.fidelity) else "fail"
+
+    def problems(self) -> list[str]:
+        """One line per reason the verdict is fail."""
+        divergence = self.comparison.first_divergence
+        lines = [f"C3 (rollout vs trainer): {divergence}"] if divergence else []
+        return lines + [f.problem() for f in self.fidelity if not f.holds]
+
+    def to_dict(self) -> dict:
+        return {"name": self.stack, **self.comparison.to_dict(), "bitwise_verdict": self.comparison.verdict,
+                "verdict": self.verdict, "fidelity": [f.to_dict() for f in self.fidelity], "seconds": self.seconds}
 
 
 def engine_options(workload: Workload) -> EngineOptions:
     return EngineOptions(page_size=workload.block_size, prefill_chunk=workload.prefill_chunk)
 
 
-def run_stack(stack: Stack, workload: Workload) -> StackRun:
+def run_stack(stack: Stack, workload: Workload, trainer_stack: Stack | None = None, oracle: Oracle | None = None) -> StackRun:
+    """`trainer_stack`: a separately built instance for the trainer side (default: the same one)."""
     requests = workload.requests()
     start = time.perf_counter()
     rollout = stack.rollout(requests, engine_options(workload))
     scored = TrainerInputs.after(requests, rollout)
-    trainer = stack.trainer_logprobs(scored.sequences, scored.score_from, scored.temperatures)
+    trainer = (trainer_stack or stack).trainer_logprobs(scored.sequences, scored.score_from, scored.temperatures)
     seconds = time.perf_counter() - start
     comparison = compare([o.logprobs for o in rollout], trainer)
-    return StackRun(stack.name, scored, rollout, trainer, comparison, seconds)
+    sides = []
+    if oracle is not None:
+        exact = oracle.score(scored.sequences, scored.score_from, scored.temperatures)
+        sides = [
+            fidelity("rollout", [o.logprobs for o in rollout], exact, workload.torch_dtype, [o.tokens for o in rollout],
+                     [r.temperature == 0 for r in requests]),
+            fidelity("trainer", trainer, exact, workload.torch_dtype),
+        ]
+    return StackRun(stack.name, scored, rollout, trainer, comparison, sides, seconds)

@@ -34,7 +34,8 @@ def test_failing_property_exits_1_with_table_and_divergence(failing):
     assert "rollout = trainer" in row and row.split()[-2] == "fail"
     assert "FAIL test_c3_rollout_matches_trainer[breaks-no-blocks]" in result.stdout
     assert "logprobs differ at seq 0 pos" in result.stdout
-    assert f"[{len(C3_CASES):>3}/{len(C3_CASES)}] C3   test_c3_rollout_matches_trainer[" in result.stderr  # progress
+    tests = len(C3_CASES) + 1  # the fixed workloads and the generated ones
+    assert f"[{tests:>3}/{tests}] C3   test_c3_rollout_matches_trainer_generated" in result.stderr  # progress
 
 
 def test_result_files_record_the_verdicts(failing):
@@ -45,7 +46,7 @@ def test_result_files_record_the_verdicts(failing):
     assert stack["name"] == "reference-no-blocks" and stack["verdict"] == "fail"
     assert stack["describe"]["versions"]["torch"].startswith("2.13.0")
     c3 = stack["properties"]["C3"]
-    assert c3["tests"] == len(C3_CASES) and c3["fail"] >= 1 and c3["fail"] + c3["pass"] == len(C3_CASES)
+    assert c3["tests"] == len(C3_CASES) + 1 and c3["fail"] >= 1 and c3["fail"] + c3["pass"] == len(C3_CASES) + 1
     broken = next(t for t in stack["tests"] if t["id"] == "test_c3_rollout_matches_trainer[breaks-no-blocks]")
     assert broken["outcome"] == "fail" and "logprobs differ at seq" in broken["message"]
     assert stack["max_abs_logdiff"] == c3["max_abs_diff"] > 0
@@ -80,7 +81,7 @@ def test_passing_property_exits_0_with_green_badges(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--stack", "no-such-stack"], "unknown stack 'no-such-stack'"),
-    (["--stack", "reference", "--property", "C8"], "unknown property 'C8'; choose from C1, C2"),
+    (["--stack", "reference", "--property", "C13"], "unknown property 'C13'; choose from C0, C1"),
     (["--stack", "reference", "--xfails-file", "no/such/file.txt"], "--xfails-file no/such/file.txt is not a file"),
     (["--stack", "reference", "--out", "pyproject.toml"], "--out pyproject.toml exists and is not a directory"),
 ])

@@ -3,6 +3,7 @@ pass what is not. Each control calls the catalogue's own test functions (logdiff
 stack, with the fixtures supplied here, so what is checked is exactly what `pytest conformance` runs."""
 
 import dataclasses
+import inspect
 
 import pytest
 import torch
@@ -34,10 +35,13 @@ from logdiff.weights import ModelSpec
 
 @pytest.fixture(scope="module")
 def built():
-    """build(factory_or_name) -> stack_for(workload), each (stack, model, dtype) built once."""
-    cache = StackCache()
+    """build(factory_or_name, instance="rollout") -> stack_for(workload), each (stack, model, dtype) built once
+    per instance, as the conformance plugin builds the rollout and trainer sides apart."""
+    caches = {}
 
-    def build(stack):
+    def build(stack, instance="rollout"):
+        cache = caches.setdefault(instance, StackCache())
+
         def stack_for(workload):
             return cache.get(stack, workload.spec, workload.torch_dtype, MAX_MODEL_LEN)
 
@@ -46,10 +50,18 @@ def built():
     return build
 
 
-def violation(test, stack_for, **params) -> str:
+def call(test, built, stack, **params):
+    """Runs one catalogue test on `stack` with the fixtures it asks for."""
+    fixtures = {"stack_for": built(stack), "trainer_for": built(stack, "trainer"), "fresh_for": built(stack, "fresh"),
+                "bitwise": Bitwise()}
+    wanted = inspect.signature(test).parameters
+    return test(**{k: v for k, v in fixtures.items() if k in wanted}, **params)
+
+
+def violation(test, built, stack, **params) -> str:
     """Runs one catalogue test, which must fail: its message."""
     with pytest.raises(PropertyViolation) as failed:
-        test(stack_for=stack_for, bitwise=Bitwise(), **params)
+        call(test, built, stack, **params)
     return str(failed.value)
 
 
@@ -59,9 +71,9 @@ def violation(test, stack_for, **params) -> str:
 @pytest.mark.parametrize("ablation", sorted(ABLATIONS))
 def test_c3_detects_each_ablation_on_the_workload_it_breaks(built, ablation):
     workload = f"breaks-{ablation.removeprefix('reference-')}"
-    message = violation(c3.test_c3_rollout_matches_trainer, built(ablation), workload=workload)
+    message = violation(c3.test_c3_rollout_matches_trainer, built, ablation, workload=workload)
     assert "rollout vs trainer" in message and "logprobs differ at seq" in message
-    c3.test_c3_rollout_matches_trainer(stack_for=built("reference"), bitwise=Bitwise(), workload=workload)
+    call(c3.test_c3_rollout_matches_trainer, built, "reference", workload=workload)
 
 
 BASELINE_BREAKS = [  # (catalogue test, parameters): what baseline's unaligned kernels break by construction
@@ -74,13 +86,13 @@ BASELINE_BREAKS = [  # (catalogue test, parameters): what baseline's unaligned k
 
 @pytest.mark.parametrize("test, params", BASELINE_BREAKS, ids=lambda x: x.__name__ if callable(x) else "")
 def test_baseline_is_detected(built, test, params):
-    assert "differ at seq" in violation(test, built("baseline"), **params)
+    assert "differ at seq" in violation(test, built, "baseline", **params)
 
 
 def test_baseline_passes_what_it_does_not_break(built):
     """Deterministic and indifferent to page size: a suite that failed baseline everywhere would prove nothing."""
     stack_for = built("baseline")
-    c1.test_c1_run_to_run_determinism(stack_for=stack_for, bitwise=Bitwise(), path="rollout", workload="sampled")
+    call(c1.test_c1_run_to_run_determinism, built, "baseline", path="rollout", workload="sampled", instances="same")
     default = rollout(stack_for(c6.WORKLOAD), c6.WORKLOAD.requests())
     c6.test_c6_kv_layout_invariance(stack_for=stack_for, bitwise=Bitwise(), default_layout=default, layout="page-16-shuffled")
 
@@ -88,7 +100,7 @@ def test_baseline_passes_what_it_does_not_break(built):
 def test_c5_detects_baseline_chunked_prefill(built):
     stack_for = built("baseline")
     whole = rollout(stack_for(c5.WORKLOAD), c5.WORKLOAD.requests())
-    message = violation(c5.test_c5_chunked_prefill_invariance, stack_for, whole_prompts=whole, chunk=100)
+    message = violation(c5.test_c5_chunked_prefill_invariance, built, "baseline", whole_prompts=whole, chunk=100)
     assert "whole-prompt prefill vs prefill in chunks of 100" in message
 
 
@@ -122,7 +134,8 @@ def test_c3_catches_one_ulp_in_one_token_and_names_it(built):
 
     bitwise = Bitwise()
     with pytest.raises(PropertyViolation) as failed:
-        c3.test_c3_rollout_matches_trainer(stack_for=built(one_ulp_stack), bitwise=bitwise, workload="dense")
+        c3.test_c3_rollout_matches_trainer(stack_for=built(one_ulp_stack), trainer_for=built(one_ulp_stack, "trainer"),
+                                           bitwise=bitwise, workload="dense")
     expected = (f"logprobs differ at seq {ULP_SEQ} pos {ULP_POS}: 0x{int(bumped.view(torch.int32)) & 0xFFFFFFFF:08x} "
                 f"({float(bumped)!r}) vs 0x{int(truth.view(torch.int32)) & 0xFFFFFFFF:08x} ({float(truth)!r})")
     assert expected in str(failed.value)
@@ -171,9 +184,9 @@ def test_tied_checkpoint_really_ties_at_the_top_k_boundary_and_inside(tied_model
 
 def test_c9_catches_a_tie_break_that_differs_between_rollout_and_trainer(built, tied_model):
     # invisible without exact ties ...
-    c3.test_c3_rollout_matches_trainer(stack_for=built(tie_flip_stack), bitwise=Bitwise(), workload="joins-mid-decode")
+    call(c3.test_c3_rollout_matches_trainer, built, tie_flip_stack, workload="joins-mid-decode")
     # ... caught on the tied checkpoint
-    violation(c9.test_c9_moe_routing_ties_and_combine_order, built(tie_flip_stack), tied_router_model=tied_model,
+    violation(c9.test_c9_moe_routing_ties_and_combine_order, built, tie_flip_stack, tied_router_model=tied_model,
               check="rollout-vs-trainer", dtype="fp32")
 
 
@@ -187,6 +200,10 @@ class DetachedTrainerStack(KernelStack):
         return [x.detach() for x in super().trainer_logprobs(sequences, score_from, temperatures, grad, capture)]
 
 
+def detached_trainer_stack(spec, dtype, max_model_len):
+    return DetachedTrainerStack(spec, dtype, max_model_len, reference_kernels())
+
+
 def test_c11_catches_a_trainer_without_autograd(built):
-    stack_for = built(lambda spec, dtype, n: DetachedTrainerStack(spec, dtype, n, reference_kernels()))
-    assert "without autograd history" in violation(c11.test_c11_trainer_differentiable, stack_for, dtype="bf16")
+    assert "without autograd history" in violation(c11.test_c11_trainer_differentiable, built, detached_trainer_stack,
+                                                   dtype="bf16")

@@ -9,6 +9,7 @@ import torch
 from logdiff import report
 from logdiff.api import Unsupported
 from logdiff.cli.options import add_workload_args, stack_names, workload_from_args
+from logdiff.oracle import Oracle
 from logdiff.report import progress
 from logdiff.runner import run_stack
 from logdiff.stacks import StackCache
@@ -29,26 +30,28 @@ def cmd_run(args) -> int:
         report.check_writable(args.json)
     dump = report.output_dir(args.dump, "--dump") if args.dump else None
     print(f"logdiff run: {workload.describe()}")
-    rows, results, divergences = [], [], []
-    built = StackCache()
+    rows, results, problems = [], [], []
+    rollout_side, trainer_side = StackCache(), StackCache()
+    oracle = None
     for i, name in enumerate(names, 1):
-        progress(f"[{i}/{len(names)}] {name}: building")
+        progress(f"[{i}/{len(names)}] {name}: building (one instance for the rollout, one for the trainer)")
         try:
-            stack = built.get(name, workload.spec, workload.torch_dtype, workload.max_model_len)
-            progress(f"[{i}/{len(names)}] {name}: rollout + trainer recompute")
-            run = run_stack(stack, workload)
+            args_ = (name, workload.spec, workload.torch_dtype, workload.max_model_len)
+            stack, trainer = rollout_side.get(*args_), trainer_side.get(*args_)
+            oracle = oracle or Oracle(workload.spec, workload.torch_dtype)
+            progress(f"[{i}/{len(names)}] {name}: rollout, trainer recompute, fp64 oracle")
+            run = run_stack(stack, workload, trainer, oracle)
         except Unsupported as e:
             rows.append({"stack": name, "verdict": f"skipped: {e}"})
             results.append({"name": name, "verdict": "skipped", "reason": str(e)})
             continue
-        c = run.comparison
-        rows.append({**report.comparison_row("stack", name, c), "seconds": f"{run.seconds:.1f}"})
-        results.append({"name": name, **c.to_dict(), "seconds": run.seconds, "describe": stack.describe()})
-        divergences.append(report.divergence_line(name, c))
+        rows.append(report.run_row(name, run))
+        results.append({**run.to_dict(), "describe": stack.describe()})
+        problems += [f"{name}: {line}" for line in run.problems()]
         if dump:
             _dump(dump / f"{name.replace(':', '_')}.safetensors", run)
     print(report.table(rows))
-    for line in filter(None, divergences):
+    for line in problems:
         print(line)
     if args.json:
         report.write_json(args.json, report.envelope("run", workload.to_dict(), results))

@@ -1,0 +1,53 @@
+"""Workloads drawn from a seed (hypothesis), beside the catalogue's fixed edge workloads: a stack that is
+bitwise only on the fixed shapes fails here. `--workload-seed S` and `--workload-examples N` choose them;
+a failure is shrunk to a minimal workload and printed as the `logdiff run` line that reproduces it."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+
+from logdiff.workload import Workload
+
+MAX_PROMPT, MAX_BATCH, MAX_NEW_TOKENS = 300, 32, 8  # within the catalogue's 512-position stacks
+# Prompt tokens of one workload, and prefill forwards per prompt: a 2-core budget of about a second an example.
+MAX_PROMPT_TOKENS, MAX_CHUNKS = 1536, 24
+
+
+@st.composite
+def workloads(draw, dtypes=("fp32", "bf16", "fp16")) -> Workload:
+    batch = draw(st.integers(1, MAX_BATCH))
+    longest = min(MAX_PROMPT, MAX_PROMPT_TOKENS // batch)
+    prompt_lens = tuple(draw(st.lists(st.integers(1, longest), min_size=1, max_size=min(batch, 6))))
+    return Workload(
+        model=draw(st.sampled_from(["qwen3-moe-tiny", "qwen3-dense-tiny"])),
+        dtype=draw(st.sampled_from(dtypes)),
+        batch_size=batch,
+        prompt_lens=prompt_lens,
+        max_new_tokens=draw(st.integers(1, MAX_NEW_TOKENS)),
+        temperature=draw(st.sampled_from([0.0, 0.7, 1.0, 1.3])),
+        seed=draw(st.integers(0, 1)),
+        block_size=draw(st.sampled_from([1, 7, 16, 64, 128, 256])),
+        stagger=draw(st.integers(0, 3)),
+        prefill_chunk=draw(st.none() | st.integers(-(-max(prompt_lens) // MAX_CHUNKS), MAX_PROMPT)),
+    )
+
+
+def for_each_workload(config, check, strategy=None) -> None:
+    """Runs `check(workload)` on `--workload-examples` workloads drawn with `--workload-seed`; on failure
+    hypothesis shrinks to a minimal workload and re-raises its error."""
+    __tracebackhide__ = True
+    examples = config.getoption("--workload-examples")
+    if examples == 0:
+        return
+
+    @hypothesis_seed(config.getoption("--workload-seed"))
+    # No explain phase: the last example run is then the minimal one, which the reproducer lines name.
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=False, print_blob=False,
+              phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink), suppress_health_check=list(HealthCheck))
+    @given(strategy if strategy is not None else workloads())
+    def run(workload):
+        check(workload)
+
+    run()

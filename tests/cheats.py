@@ -1,0 +1,101 @@
+"""Stacks that are consistent but are not the model, and one tuned to the catalogue's fixed shapes: the
+negative controls of verdict integrity. Each is what a real mistake or shortcut looks like."""
+
+import dataclasses
+
+import torch
+
+from logdiff.api import EngineOptions, RolloutOutput
+from logdiff.baselines.baseline import baseline_kernels
+from logdiff.conformance.workloads import ABLATION_WORKLOADS, BLOCK_EDGES, WORKLOADS
+from logdiff.kernels import reference_kernels
+from logdiff.stacks import KernelStack
+
+
+class ConstantStack(KernelStack):
+    """rollout and trainer both report -1/temperature for every token (the tokens are really sampled)"""
+
+    def rollout(self, requests, options=EngineOptions(), capture=None):
+        outputs = super().rollout(requests, options, capture)
+        return [RolloutOutput(o.tokens, torch.full((len(o.tokens),), -1.0 / (r.temperature or 1.0)))
+                for r, o in zip(requests, outputs)]
+
+    def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, capture=None):
+        return [torch.full((len(s) - f,), -1.0 / (t or 1.0)) for s, f, t in zip(sequences, score_from, temperatures)]
+
+
+def constant(spec, dtype, max_model_len):
+    return ConstantStack(spec, dtype, max_model_len, reference_kernels(name="constant"))
+
+
+def zero_attention(spec, dtype, max_model_len):
+    """reference kernels whose attention returns zeros, on both paths"""
+    ops = reference_kernels(name="zero-attention")
+    ops = dataclasses.replace(ops, train_attention=lambda q, k, v, seqs: torch.zeros_like(q),
+                              rollout_attention=lambda q, kc, vc, seqs, slots: torch.zeros_like(q))
+    return KernelStack(spec, dtype, max_model_len, ops)
+
+
+class EchoStack(KernelStack):
+    """the trainer hands back what the rollout recorded ("old_log_probs = rollout_log_probs"); on sequences
+    it has not rolled out it falls back to a fast unaligned trainer"""
+
+    def __init__(self, spec, dtype, max_model_len):
+        super().__init__(spec, dtype, max_model_len, reference_kernels(name="echo"))
+        self.recorded = {}
+        self.fallback = KernelStack(spec, dtype, max_model_len, baseline_kernels())
+
+    def rollout(self, requests, options=EngineOptions(), capture=None):
+        outputs = super().rollout(requests, options, capture)
+        for r, o in zip(requests, outputs):
+            self.recorded[tuple(r.prompt) + tuple(o.tokens)] = o.logprobs
+        return outputs
+
+    def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, capture=None):
+        computed = self.fallback.trainer_logprobs(sequences, score_from, temperatures, grad)
+        return [self.recorded.get(tuple(s), c) for s, c in zip(sequences, computed)]
+
+
+class RoundingStack(KernelStack):
+    """reference, with every log-prob rounded to a multiple of 1/16 on both paths"""
+
+    def rollout(self, requests, options=EngineOptions(), capture=None):
+        return [RolloutOutput(o.tokens, _round(o.logprobs)) for o in super().rollout(requests, options, capture)]
+
+    def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, capture=None):
+        return [_round(x) for x in super().trainer_logprobs(sequences, score_from, temperatures, grad, capture)]
+
+
+def _round(x):
+    return (x * 16).round() / 16
+
+
+def rounding(spec, dtype, max_model_len):
+    return RoundingStack(spec, dtype, max_model_len, reference_kernels(name="rounding"))
+
+
+# Every prompt length of the catalogue's fixed workloads (C0's sampling prompts have 8 tokens).
+FIXED_LENGTHS = set(BLOCK_EDGES) | {n for w in [*WORKLOADS.values(), *ABLATION_WORKLOADS.values()] for n in w.prompt_lens} | {
+    3, 5, 8, 17, 20, 60, 64, 120, 140, 200, 250, 300}
+
+
+class TunedStack(KernelStack):
+    """aligned kernels on the prompt lengths of the catalogue's fixed workloads, the baseline's elsewhere"""
+
+    def __init__(self, spec, dtype, max_model_len):
+        super().__init__(spec, dtype, max_model_len, reference_kernels(name="tuned"))
+        self.fast = KernelStack(spec, dtype, max_model_len, baseline_kernels())
+
+    def _side(self, prompt_lens):
+        return self if set(prompt_lens) <= FIXED_LENGTHS else self.fast
+
+    def rollout(self, requests, options=EngineOptions(), capture=None):
+        side = self._side(len(r.prompt) for r in requests)
+        return KernelStack.rollout(side, requests, options, capture)
+
+    def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, capture=None):
+        side = self._side(score_from)
+        return KernelStack.trainer_logprobs(side, sequences, score_from, temperatures, grad, capture)
+
+    def prompt_logprobs(self, sequences, score_from, temperatures, options=EngineOptions()):
+        return KernelStack.prompt_logprobs(self._side(score_from), sequences, score_from, temperatures, options)

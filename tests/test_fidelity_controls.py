@@ -1,0 +1,201 @@
+"""Verdict integrity: a stack that is consistent but is not the model must fail, loudly. The honest stacks
+pass C0 on every C0 workload; each cheat of tests/cheats.py is caught by `logdiff run` and by the
+catalogue, with the message a user sees; sampling with a wrong temperature is caught by C0's sampling test."""
+
+import dataclasses
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from logdiff.cli.main import main
+from logdiff.conformance import test_c00_fidelity as c0
+from logdiff.conformance import test_c03_rollout_trainer as c3
+from logdiff.conformance.bitwise import Bitwise, PropertyViolation
+from logdiff.conformance.plugin import MAX_MODEL_LEN
+from logdiff.kernels import reference_kernels
+from logdiff.kernels.sampling import sample
+from logdiff.oracle import Oracle
+from logdiff.stacks import KernelStack, StackCache
+from logdiff.weights import ModelSpec
+
+REPO = Path(__file__).resolve().parents[1]
+CHEATS = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def fixtures():
+    """The catalogue's fixtures for a stack: rollout and trainer instances apart, one oracle per model."""
+    caches, oracles = {}, {}
+
+    def oracle_for(w):
+        key = (w.model, w.seed, w.dtype)
+        if key not in oracles:
+            oracles[key] = Oracle(w.spec, w.torch_dtype)
+        return oracles[key]
+
+    def for_stack(stack):
+        def builder(instance):
+            cache = caches.setdefault((instance, stack if isinstance(stack, str) else id(stack)), StackCache())
+            return lambda w: cache.get(stack, w.spec, w.torch_dtype, MAX_MODEL_LEN)
+
+        return {"stack_for": builder("rollout"), "trainer_for": builder("trainer"), "oracle_for": oracle_for,
+                "bitwise": Bitwise()}
+
+    return for_stack
+
+
+def call(test, fixtures, stack, **params):
+    available = fixtures(stack)
+    return test(**{k: v for k, v in available.items() if k in inspect.signature(test).parameters}, **params)
+
+
+def violation(test, fixtures, stack, **params) -> str:
+    with pytest.raises(PropertyViolation) as failed:
+        call(test, fixtures, stack, **params)
+    return str(failed.value)
+
+
+# --------------------------------------------------------------------------- honest stacks pass C0
+
+
+@pytest.mark.parametrize("workload", list(c0.CASES))
+@pytest.mark.parametrize("stack", ["reference", "baseline", "naive", "hf"])
+def test_honest_stacks_run_the_model(fixtures, stack, workload):
+    call(c0.test_c0_runs_the_model, fixtures, stack, workload=workload)
+
+
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.0, 1.5])
+@pytest.mark.parametrize("stack", ["reference", "baseline"])
+def test_honest_sampling_follows_the_model(fixtures, stack, temperature):
+    call(c0.test_c0_sampling_follows_the_tempered_distribution, fixtures, stack, temperature=temperature)
+
+
+def test_oracle_matches_transformers_in_fp32():
+    """The oracle is the model: its fp64 log-probs agree with transformers' fp32 forward of the same weights."""
+    from logdiff.baselines.hf import build_hf_model
+
+    spec = ModelSpec("qwen3-moe-tiny", 0)
+    seq = torch.randint(1024, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    ours = Oracle(spec, torch.float32).score([seq], [1], [1.0]).logprobs[0]
+    logits = build_hf_model(spec, torch.float32, "eager").eval()(input_ids=torch.tensor([seq])).logits[0, :-1]
+    theirs = torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(seq[1:])[:, None]).squeeze(1)
+    assert (ours - theirs).abs().max() < 1e-5
+
+
+def test_the_oracle_declines_a_checkpoint_it_cannot_read(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    from logdiff.api import Unsupported
+
+    with pytest.raises(Unsupported, match="oracle cannot load"):
+        Oracle(ModelSpec(str(tmp_path)), torch.float32)
+
+
+# --------------------------------------------------------------------------- the cheats
+
+
+@pytest.fixture
+def cheats_importable(monkeypatch):
+    monkeypatch.syspath_prepend(str(CHEATS))
+
+
+CHEAT_RUNS = {  # stack, extra `logdiff run` options, what the user sees
+    "cheats:constant": ([], "C0 (rollout): |logp - logp_fp64| reaches"),
+    "cheats:zero_attention": ([], "C0 (rollout): greedy token at seq 0 pos 0 is"),
+    "cheats:rounding": ([], "C0 (trainer): |logp - logp_fp64| reaches 0.0312"),
+    "cheats:EchoStack": ([], "C3 (rollout vs trainer): logprobs differ at seq"),
+    "cheats:TunedStack": (["--prompt-lens", "33,71"], "C3 (rollout vs trainer): logprobs differ at seq"),
+}
+
+
+@pytest.mark.parametrize("stack", list(CHEAT_RUNS))
+def test_logdiff_run_fails_each_cheat(cheats_importable, capsys, stack):
+    options, message = CHEAT_RUNS[stack]
+    assert main(["run", "--stack", stack, *options]) == 0
+    out = capsys.readouterr().out
+    row = next(line.split() for line in out.splitlines() if line.startswith(stack))
+    assert row[-2] == "fail", out
+    assert f"{stack}: {message}" in out
+
+
+def test_the_constant_cheat_is_bitwise_consistent(cheats_importable, capsys):
+    """What made it dangerous: every token bitwise equal, so a bitwise-only verdict would pass it."""
+    main(["run", "--stack", "cheats:constant", "--dtype", "bf16"])
+    row = next(line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("cheats:constant"))
+    assert row[1] == row[2] == "192" and row[3] == "0" and row[-2] == "fail"
+
+
+@pytest.mark.parametrize("stack", ["cheats:constant", "cheats:zero_attention", "cheats:rounding"])
+def test_c0_catches_the_consistent_cheats(cheats_importable, fixtures, stack):
+    import cheats
+
+    message = violation(c0.test_c0_runs_the_model, fixtures, getattr(cheats, stack.split(":")[1]), workload="block-edges")
+    assert message.startswith("C0 (rollout): ") and "C0 (trainer): " in message
+
+
+def test_isolation_catches_the_echoing_trainer(cheats_importable, fixtures):
+    """On one instance the echo passes C3; the catalogue scores the trainer on another instance."""
+    import cheats
+
+    stack = cheats.EchoStack(ModelSpec("qwen3-moe-tiny", 0), torch.float32, MAX_MODEL_LEN)
+    c3.test_c3_rollout_matches_trainer(stack_for=lambda w: stack, trainer_for=lambda w: stack, bitwise=Bitwise(),
+                                       workload="joins-mid-decode")
+    message = violation(c3.test_c3_rollout_matches_trainer, fixtures, cheats.EchoStack, workload="joins-mid-decode")
+    assert "logprobs differ at seq" in message
+
+
+def _check(stack, prop, tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(CHEATS), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "logdiff", "check", "--stack", stack, "--property", prop,
+                           "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_logdiff_check_fails_a_consistent_cheat_naming_c0(tmp_path):
+    result = _check("cheats:rounding", "C0", tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert "FAIL test_c0_runs_the_model[block-edges]" in result.stdout
+    assert "C0 (rollout): |logp - logp_fp64| reaches 0.0312" in result.stdout
+    assert json.loads((tmp_path / "check.json").read_text())["stacks"][0]["properties"]["C0"]["verdict"] == "fail"
+
+
+def test_logdiff_check_fails_the_tuned_stack_on_a_generated_workload(tmp_path):
+    """Bitwise on every fixed workload of C3, caught by the generated ones, shrunk to a minimal `logdiff run` line."""
+    result = _check("cheats:TunedStack", "C3", tmp_path)
+    assert result.returncode == 1, result.stderr
+    failed = [line for line in result.stdout.splitlines() if line.startswith("FAIL ")]
+    assert failed == ["FAIL test_c3_rollout_matches_trainer_generated"], result.stdout
+    assert "Falsifying example" in result.stdout or "Failing test case" in result.stdout
+    assert "reproduce: logdiff run --stack cheats:TunedStack" in result.stdout
+
+
+# --------------------------------------------------------------------------- sampling with a wrong temperature
+
+
+def _sampling_stack(effective_temperature):
+    def factory(spec, dtype, max_model_len):
+        ops = reference_kernels(name="wrong-temperature")
+        wrong = lambda logits, t, seeds, index: sample(logits, torch.where(t > 0, effective_temperature(t), t), seeds, index)  # noqa: E731
+        return KernelStack(spec, dtype, max_model_len, dataclasses.replace(ops, sample=wrong))
+
+    return factory
+
+
+TEMPERATURE_TWICE = _sampling_stack(lambda t: t * t)
+TEMPERATURE_IGNORED = _sampling_stack(lambda t: torch.ones_like(t))
+
+
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.5])
+@pytest.mark.parametrize("stack, way", [(TEMPERATURE_TWICE, "likelier"), (TEMPERATURE_IGNORED, "less likely")],
+                         ids=["applied-twice", "not-applied"])
+def test_c0_catches_a_wrong_sampling_temperature(fixtures, stack, way, temperature):
+    if temperature > 1 and stack is TEMPERATURE_TWICE:
+        way = "less likely"  # squaring 1.5 flattens
+    if temperature > 1 and stack is TEMPERATURE_IGNORED:
+        way = "likelier"
+    message = violation(c0.test_c0_sampling_follows_the_tempered_distribution, fixtures, stack, temperature=temperature)
+    assert f"seeded draws are {way} under the fp64 oracle's tempered distribution" in message
