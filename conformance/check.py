@@ -45,7 +45,8 @@ class TestResult:
     outcome: str | None = None  # pass, fail, xfail, xpass, skipped
     seconds: float = 0.0
     message: str = ""
-    compared: list = field(default_factory=list)
+    compared: list = field(default_factory=list)  # bitwise comparisons: what, values, bitwise_equal, max_abs_diff
+    fidelity: list = field(default_factory=list)  # C0: each side's distance from the fp64 oracle, and sampling fits
 
 
 class Collector:
@@ -86,6 +87,7 @@ class Collector:
         result = self.by_id.setdefault(report.nodeid, TestResult(name, property_of(name) or "?"))
         result.seconds += report.duration
         result.compared += [v for k, v in report.user_properties if k == "compared" and v not in result.compared]
+        result.fidelity += [v for k, v in report.user_properties if k in ("fidelity", "sampling") and v not in result.fidelity]
         outcome = _outcome(report)
         if outcome == "fail" or (outcome and result.outcome is None):
             result.outcome, result.message = outcome, ("" if outcome == "pass" else _message(report))
@@ -133,6 +135,7 @@ def summarise(results: list[TestResult], selected: list[str], catalogue: dict) -
         else:
             verdict = "skipped"
         diffs = [c["max_abs_diff"] for r in tests for c in r.compared]
+        diffs += [f["max_abs_error"] for r in tests for f in r.fidelity if "max_abs_error" in f]
         out[pid] = {"meaning": catalogue[pid], "tests": len(tests), **counts, "verdict": verdict,
                     "max_abs_diff": max(diffs) if diffs else None}
     return out
@@ -147,6 +150,14 @@ def overall_verdict(verdicts: dict[str, dict]) -> str:
 def max_abs_logdiff(results: list[TestResult]) -> float | None:
     diffs = [c["max_abs_diff"] for r in results for c in r.compared if c["what"] == "rollout vs trainer"]
     return max(diffs) if diffs else None
+
+
+def fidelity_by_side(results: list[TestResult]) -> dict[str, float]:
+    """C0: the largest |logp - logp_fp64| of each side (rollout, trainer, prompt) over the catalogue."""
+    out: dict[str, float] = {}
+    for f in (f for r in results for f in r.fidelity if "side" in f):
+        out[f["side"]] = max(out.get(f["side"], 0.0), f["max_abs_error"])
+    return out
 
 
 def table_rows(verdicts: dict[str, dict]) -> list[dict]:

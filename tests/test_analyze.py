@@ -157,3 +157,30 @@ def test_not_a_dict_and_bad_safetensors_are_errors(tmp_path, capsys):
 def test_unwritable_json_fails_before_reading(tmp_path, capsys):
     assert main(["analyze", str(tmp_path / "absent.pt"), "--json", str(tmp_path / "no" / "such" / "r.json")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_one_tensor_saved_as_both_is_named(run_dir, tmp_path, capsys):
+    batch = verl_batch(run_dir, "reference")
+    batch["old_log_probs"] = batch["rollout_log_probs"]  # old_log_probs = rollout_log_probs
+    torch.save(batch, tmp_path / "batch.pt")
+    got = analyze(tmp_path / "batch.pt", tmp_path)
+    assert got["verdict"] == "pass"
+    assert any(n.startswith("warning: old_log_probs and rollout_log_probs are the same tensor") for n in got["notes"])
+    assert "proves the two recorded tensors agree (consistency), not that either computes the model" in capsys.readouterr().out
+
+
+def test_a_copy_shows_in_the_masked_padding(run_dir, tmp_path):
+    batch = verl_batch(run_dir, "reference")
+    pad = torch.full((batch["response_mask"].shape[0], 2), -7.25)  # what the engine left in two padded slots
+    rollout = torch.cat([batch["rollout_log_probs"], pad], dim=1)
+    batch["response_mask"] = torch.cat([batch["response_mask"], torch.zeros_like(pad, dtype=torch.long)], dim=1)
+    batch["rollout_log_probs"], batch["old_log_probs"] = rollout, rollout.clone()
+    torch.save(batch, tmp_path / "batch.pt")
+    notes = analyze(tmp_path / "batch.pt", tmp_path)["notes"]
+    assert any("bitwise identical even in the masked padding" in n for n in notes)
+
+
+def test_an_honest_recompute_gets_only_the_fidelity_note(run_dir, tmp_path):
+    torch.save(verl_batch(run_dir, "reference"), tmp_path / "batch.pt")
+    notes = analyze(tmp_path / "batch.pt", tmp_path)["notes"]
+    assert len(notes) == 1 and notes[0].startswith("note: a pass here proves")

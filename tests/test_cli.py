@@ -25,7 +25,7 @@ def test_default_run_prints_a_row_per_stack():
             if line.split()[:1] in (["reference"], ["baseline"])}
     assert rows["reference"][-2] == "pass" and rows["reference"][1] == rows["reference"][2]
     assert rows["baseline"][-2] == "fail"
-    assert "first divergence at seq" in out.stdout
+    assert "baseline: C3 (rollout vs trainer): logprobs differ at seq" in out.stdout
 
 
 def test_json_envelope_and_dump(tmp_path):

@@ -76,6 +76,7 @@ class Measurement:
     seconds: float
     tokens: int
     token_ids: list[list[int]] | None  # what a rollout case generated; None for the trainer
+    recomputed: tuple | None = None  # rl-step: (TrainerInputs, rollout log-probs, trainer log-probs), for the oracle
 
     @property
     def tokens_per_s(self) -> float:
@@ -99,8 +100,9 @@ def measure(stack: Stack, case: Case, workload: Workload) -> Measurement:
     start = time.perf_counter()
     rollout = stack.rollout(requests)
     scored = TrainerInputs.after(requests, rollout)
-    stack.trainer_logprobs(scored.sequences, scored.score_from, scored.temperatures)
-    return Measurement(time.perf_counter() - start, case.counted_tokens, [o.tokens for o in rollout])
+    trainer = stack.trainer_logprobs(scored.sequences, scored.score_from, scored.temperatures)
+    return Measurement(time.perf_counter() - start, case.counted_tokens, [o.tokens for o in rollout],
+                       (scored, [o.logprobs for o in rollout], trainer))
 
 
 def _with_new_tokens(requests: list[Request], n: int) -> list[Request]:

@@ -94,6 +94,10 @@ def _print_checks(result: dict) -> None:
             if name != c["against"]:
                 lines.append(f"{case}: {name} output vs {c['against']}: max |diff| {c['max_abs_diff']:.3g} "
                              f"(max |output| {c['max_abs_reference']:.3g})")
+        for name, sides in r.get("fidelity", {}).items():
+            lines.append(f"{case}: {name} max |logp - logp_fp64| rollout {report.fmt_float(sides['rollout']['max_abs_error'])}, "
+                         f"trainer {report.fmt_float(sides['trainer']['max_abs_error'])}"
+                         + ("" if all(f["holds"] for f in sides.values()) else " -- outside C0's bounds: NOT the model"))
     if lines:
         print("\nsame-work checks")
         print("\n".join(lines))

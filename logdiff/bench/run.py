@@ -18,6 +18,7 @@ from logdiff import stacks
 from logdiff.api import Unsupported
 from logdiff.bench.cases import CASES, Measurement, measure, token_agreement
 from logdiff.bench.kernel_cases import KERNEL_CASES, measure_kernel
+from logdiff.oracle import Oracle, fidelity
 from logdiff.stacks import KERNEL_STACKS
 from logdiff.weights import parse_dtype
 
@@ -57,6 +58,7 @@ def _bench_model_case(case, names, model, dtype, repeats, bar) -> dict:
         except Unsupported as e:
             skipped[name] = str(e)
     timings: dict[str, list[Measurement]] = {name: [] for name in built}
+    fidelity = {}
     for rep in range(repeats + 1):  # repeat 0 warms up
         for name, stack in list(built.items()):
             bar.set_postfix_str(f"{case.name}: {name} {'warm-up' if rep == 0 else f'{rep}/{repeats}'}")
@@ -69,6 +71,9 @@ def _bench_model_case(case, names, model, dtype, repeats, bar) -> dict:
                 continue
             if rep:
                 timings[name].append(m)
+            elif m.recomputed is not None:
+                bar.set_postfix_str(f"{case.name}: {name} against the fp64 oracle")
+                fidelity[name] = _fidelity(workload, *m.recomputed)
             bar.update(1)
     del built  # free the models before the next case builds its own
     return {
@@ -77,8 +82,16 @@ def _bench_model_case(case, names, model, dtype, repeats, bar) -> dict:
         "tokens_per_s": {name: [m.tokens_per_s for m in ms] for name, ms in timings.items()},
         "seconds": {name: [m.seconds for m in ms] for name, ms in timings.items()},
         "token_check": _token_check(timings),
+        "fidelity": fidelity,
         "skipped": skipped,
     }
+
+
+def _fidelity(workload, scored, rollout, trainer) -> dict:
+    """max |logp - logp_fp64| of both sides of the warm-up run (untimed): the work timed is the model's."""
+    exact = Oracle(workload.spec, workload.torch_dtype).score(scored.sequences, scored.score_from, scored.temperatures)
+    sides = [fidelity("rollout", rollout, exact, workload.torch_dtype), fidelity("trainer", trainer, exact, workload.torch_dtype)]
+    return {f.side: {"max_abs_error": f.max_abs_error, "mean_abs_error": f.mean_abs_error, "holds": f.holds} for f in sides}
 
 
 def _token_check(timings: dict[str, list[Measurement]]) -> dict:

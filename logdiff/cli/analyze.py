@@ -15,7 +15,7 @@ import torch
 
 from logdiff import report
 from logdiff.errors import UserError
-from logdiff.metrics import Comparison, compare, framework_metrics
+from logdiff.metrics import Comparison, bits, compare, framework_metrics
 
 KEYS = ("old_log_probs", "rollout_log_probs", "response_mask")
 EXPORT_HINT = (
@@ -42,12 +42,15 @@ def cmd_analyze(args) -> int:
     print(report.table([report.comparison_row("batch", path.name, c)]))
     if c.first_divergence:
         print(report.divergence_line(path.name, c))
+    notes = oracle_free_notes(old, rollout, mask, c)
+    for line in notes:
+        print(line)
     print()
     print(report.table([{"metric": k, "value": f"{v:.6g}"} for k, v in c.metrics.items()]))
     if args.json:
         batch = {"file": str(path), "sequences": mask.shape[0], "response_columns": mask.shape[1],
                  "old_log_probs_dtype": _dtype(old), "rollout_log_probs_dtype": _dtype(rollout)}
-        report.write_json(args.json, report.envelope("analyze", batch, [{"name": path.name, **c.to_dict()}]))
+        report.write_json(args.json, report.envelope("analyze", batch, [{"name": path.name, **c.to_dict(), "notes": notes}]))
         print(f"wrote {args.json}")
     return 0
 
@@ -67,6 +70,27 @@ def analyze(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> Com
     if d is None:
         return c
     return dataclasses.replace(c, first_divergence=dataclasses.replace(d, pos=int(columns[d.seq][d.pos])))
+
+
+NOT_FIDELITY = ("note: a pass here proves the two recorded tensors agree (consistency), not that either computes the "
+                "model (fidelity): without the weights there is no oracle; run `logdiff check --stack YOUR_STACK` for C0")
+
+
+def oracle_free_notes(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, c: Comparison) -> list[str]:
+    """What can be said without the model: signs that one tensor was copied into the other, and what a pass means."""
+    notes = []
+    shared = old.untyped_storage().data_ptr() == rollout.untyped_storage().data_ptr()
+    if shared and old.storage_offset() == rollout.storage_offset():
+        notes.append("warning: old_log_probs and rollout_log_probs are the same tensor (one storage): the trainer's "
+                     "recompute was never compared, the batch holds one copy twice (old_log_probs = rollout_log_probs?)")
+    elif old.dtype == rollout.dtype and torch.equal(bits(old), bits(rollout)):
+        padding = ~mask.bool()
+        if padding.any() and bool((old[padding] != 0).any()):
+            notes.append("warning: old_log_probs and rollout_log_probs are bitwise identical even in the masked padding, "
+                         "which a separate recompute does not write: one was most likely copied into the other")
+    if c.verdict == "pass":
+        notes.append(NOT_FIDELITY)
+    return notes
 
 
 def load_batch(path: Path) -> dict:

@@ -35,6 +35,7 @@ def cmd_check(args) -> int:
     import logdiff.conformance as conformance
     from logdiff.conformance.check import (
         RESULT_FILES,
+        fidelity_by_side,
         max_abs_logdiff,
         overall_verdict,
         run_catalogue,
@@ -57,12 +58,16 @@ def cmd_check(args) -> int:
         "describe": collector.stack_info.get("describe", {}),
         "verdict": overall_verdict(verdicts),
         "max_abs_logdiff": max_abs_logdiff(collector.results),
+        "max_abs_error_vs_fp64": fidelity_by_side(collector.results),
         "properties": verdicts,
         "tests": [asdict(r) for r in collector.results],
     }
     catalogue = {"catalogue": {p: conformance.CATALOGUE[p] for p in selected}, "xfails_file": args.xfails_file}
     rows = table_rows(verdicts)
     print(report.table(rows))
+    if entry["max_abs_error_vs_fp64"]:
+        print("max |logp - logp_fp64| (C0): " + ", ".join(
+            f"{side} {report.fmt_float(v)}" for side, v in entry["max_abs_error_vs_fp64"].items()))
     for r in collector.results:
         if r.outcome == "fail":
             print(f"\nFAIL {r.id}\n  " + r.message.replace("\n", "\n  "))
