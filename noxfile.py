@@ -59,6 +59,18 @@ def conformance(session):
 
 
 @nox.session(python=PYTHON)
+def train(session):
+    """Why logdiff = 0 matters: `logdiff train`, a 200-step GRPO loop on the tiny Qwen3-MoE for reference,
+    baseline and reference-no-precision, in bf16 and fp32; per-step mismatch figures, importance-ratio
+    range, reward and bitwise-equal share as JSON + PNG in results/<machine>/train/. posargs go to both runs."""
+    install(session)
+    out = Path("results") / platform.node() / "train"
+    out.mkdir(parents=True, exist_ok=True)
+    for dtype in ("bf16", "fp32"):
+        session.run("logdiff", "train", "--dtype", dtype, "--out", str(out), *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def verl(session):
     """verl 0.9.1's own metric functions against logdiff's on the same log-probs; writes results/<machine>/verl/.
 

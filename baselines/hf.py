@@ -55,6 +55,9 @@ class HFStack(Stack):
     def trainer_parameters(self):
         return dict(self.model.named_parameters())
 
+    def sync_weights(self):
+        pass  # `generate` runs on the trainer's own model: it already sees every update
+
     def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, capture=None):
         ids, mask = _padded(sequences, left=False)
         with torch.set_grad_enabled(grad), capture_hooks(self.model, capture, list(range(len(sequences)))):

@@ -110,6 +110,14 @@ class Stack(ABC):
         and switches it off again."""
         raise Unsupported(f"stack {self.name} does not expose its trainer's parameters (trainer_parameters)")
 
+    def sync_weights(self) -> None:
+        """Optional (`logdiff train`): after the trainer's parameters changed in place (an optimizer step
+        on `trainer_parameters()`), make the rollout engine generate with them, as an RL framework's weight
+        sync does after every step (verl's FSDP -> vLLM `load_weights`). A stack whose engine holds its own
+        copy of the weights copies them over here; one whose engine runs on the trainer's tensors has
+        nothing to do."""
+        raise Unsupported(f"stack {self.name} cannot load its trainer's updated weights into its rollout engine (sync_weights)")
+
     def describe(self) -> dict:
         """Versions and device, for report headers."""
         from logdiff import __version__

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from logdiff.api import ENTRY_POINT_GROUP, Capture, EngineOptions, Stack, StackFactory, Unsupported
-from logdiff.engine.engine import RolloutEngine, inference_copy
+from logdiff.engine.engine import RolloutEngine, inference_copy, refresh_inference_copy
 from logdiff.errors import UserError
 from logdiff.kernelset import KernelSet
 from logdiff.trainer import Trainer
@@ -25,6 +25,7 @@ from logdiff.weights import ModelSpec
 KERNEL_STACKS = ("reference", "baseline", "naive")  # kernel sets compared at the kernel level
 RUN_STACKS = ("reference", "baseline")  # `logdiff run`
 BENCH_STACKS = ("reference", "baseline", "naive", "hf")  # `logdiff bench`, perf/, asv
+TRAIN_STACKS = ("reference", "baseline", "reference-no-precision")  # `logdiff train`
 
 
 class KernelStack(Stack):
@@ -54,6 +55,9 @@ class KernelStack(Stack):
 
     def trainer_parameters(self):
         return dict(self.model.named_parameters())
+
+    def sync_weights(self):
+        refresh_inference_copy(self.engine_model, self.model)
 
 
 def builtin_kernel_sets() -> dict[str, tuple[Callable[[int], KernelSet], str]]:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from logdiff.cli import analyze, bench, bisect, check, list_stacks, run
+from logdiff.cli import analyze, bench, bisect, check, list_stacks, run, train
 from logdiff.cli.options import Parser
 from logdiff.errors import UserError
 
-COMMANDS = (run, list_stacks, analyze, bisect, check, bench)
+COMMANDS = (run, list_stacks, analyze, bisect, check, bench, train)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -170,3 +170,16 @@ def inference_copy(model: Qwen3ForCausalLM, ops: KernelSet) -> Qwen3ForCausalLM:
         twin.lm_head.weight = torch.nn.Parameter(twin.model.embed_tokens.weight.to(gemm), requires_grad=False)
     twin.is_inference_copy = True
     return twin
+
+
+@torch.no_grad()
+def refresh_inference_copy(twin: Qwen3ForCausalLM, model: Qwen3ForCausalLM) -> None:
+    """Weight sync: copies the current weights of `model` into its inference copy `twin` in place, in the
+    dtypes `inference_copy` chose, as an RL framework loads the trainer's weights into its rollout engine
+    after every optimizer step. The same conversion as `inference_copy`, so the rollout sees the trainer's
+    weights bit for bit."""
+    if twin is model:
+        return
+    source = dict(model.named_parameters(remove_duplicate=False))  # a tied lm_head is its own tensor in the twin
+    for name, param in twin.named_parameters(remove_duplicate=False):
+        param.copy_(source[name])
