@@ -80,7 +80,7 @@ def test_passing_property_exits_0_with_green_badges(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--stack", "no-such-stack"], "unknown stack 'no-such-stack'"),
-    (["--stack", "reference", "--property", "C8"], "unknown property 'C8'; choose from C1, C2"),
+    (["--stack", "reference", "--property", "C13"], "unknown property 'C13'; choose from C1, C2"),
     (["--stack", "reference", "--xfails-file", "no/such/file.txt"], "--xfails-file no/such/file.txt is not a file"),
     (["--stack", "reference", "--out", "pyproject.toml"], "--out pyproject.toml exists and is not a directory"),
 ])
