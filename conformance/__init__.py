@@ -16,6 +16,7 @@ CATALOGUE = {
     "C5": "chunked-prefill invariance",
     "C6": "KV layout invariance: page size, permuted block tables",
     "C7": "continuous batching: requests joining and leaving mid-decode",
+    "C8": "parallel invariance: TP 1/2/4 and EP 1/2 give the same bits; trainer and rollout sharded differently agree",
     "C9": "MoE routing: tie-breaks and combine order",
     "C10": "sampling: temperature applied identically, seeded sampling batch-invariant",
     "C11": "trainer is differentiable and its backward is deterministic",

@@ -6,7 +6,7 @@ from functools import partial
 
 from logdiff.kernels.activation import silu_mul
 from logdiff.kernels.attention import Alignments, rollout_attention, train_attention
-from logdiff.kernels.linear import gemm_dtype, linear, plain_linear
+from logdiff.kernels.linear import fixed_order_row_linear, gemm_dtype, linear, plain_linear
 from logdiff.kernels.logsoftmax import token_logprobs
 from logdiff.kernels.moe import combine, grouped_experts, route
 from logdiff.kernels.norm import rms_norm
@@ -35,4 +35,5 @@ def reference_kernels(align: Alignments = Alignments(), name: str = "reference")
         combine=combine,
         token_logprobs=token_logprobs,
         sample=sample,
+        row_linear=fixed_order_row_linear if align.reduce_order else None,
     )

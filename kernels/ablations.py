@@ -1,7 +1,7 @@
 """The reference kernels with exactly one alignment switched off.
 
-Each ablation names, in its docstring and in BREAKS_ON, a standard workload on which it loses
-bitwise parity; the test suite runs it there and requires the failure, which shows that the
+Each ablation names, in its docstring and in BREAKS_ON (BREAKS_C8_ON for the parallel ones), a standard
+workload on which it loses bitwise parity; the test suite runs it there and requires the failure, which shows that the
 alignment is necessary, not decoration.
 """
 
@@ -44,6 +44,16 @@ def reference_no_precision():
     return reference_kernels(Alignments(precision=False), name="reference-no-precision")
 
 
+def reference_no_reduce_order():
+    """reference with the reduce-order alignment off: breaks parallel invariance (C8) only, e.g. TP1 vs TP2.
+
+    A row-parallel GEMM (o_proj, down_proj) runs whole on one process and as per-rank partial GEMMs
+    summed by the backend's all_reduce on several: the K reduction order follows the degree. On one
+    process it is the plain reference GEMM, so every single-process property still holds.
+    """
+    return reference_kernels(Alignments(reduce_order=False), name="reference-no-reduce-order")
+
+
 ABLATIONS = {
     "reference-no-mask": reference_no_mask,
     "reference-no-order": reference_no_order,
@@ -57,4 +67,12 @@ BREAKS_ON = {
     "reference-no-order": dict(batch_size=1, prompt_lens=(200,), max_new_tokens=8),
     "reference-no-blocks": dict(batch_size=1, prompt_lens=(100,), max_new_tokens=8),
     "reference-no-precision": dict(dtype="bf16", batch_size=2, prompt_lens=(40, 90), max_new_tokens=8),
+}
+
+# Ablations that only show across processes: single-process properties (and C3) hold, C8 breaks.
+PARALLEL_ABLATIONS = {"reference-no-reduce-order": reference_no_reduce_order}
+
+# Workload fields and the tensor-parallel degrees that each parallel ablation must tell apart (C8).
+BREAKS_C8_ON = {
+    "reference-no-reduce-order": (dict(model="qwen3-dense-tiny", batch_size=2, prompt_lens=(7, 33), max_new_tokens=4), (1, 2)),
 }

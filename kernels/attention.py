@@ -40,6 +40,7 @@ class Alignments:
     order: bool = True
     blocks: bool = True
     precision: bool = True
+    reduce_order: bool = True  # row-parallel GEMMs reduce in a fixed K-chunk order (linear.fixed_order_row_linear)
 
 
 # --------------------------------------------------------------------------- the block loop

@@ -35,20 +35,48 @@ def min_rows(dtype: torch.dtype) -> int:
     return MIN_ROWS_NATIVE_BF16 if gemm_dtype(dtype) == torch.bfloat16 else MIN_ROWS
 
 
-def _gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _gemm(x: torch.Tensor, w: torch.Tensor, keep: bool = False) -> torch.Tensor:
+    """keep: the result in the GEMM's own dtype (fp32 unless native bf16), not rounded to x's."""
     compute = gemm_dtype(x.dtype)
-    return F.linear(x.to(compute), w.to(compute)).to(x.dtype)
+    out = F.linear(x.to(compute), w.to(compute))
+    return out if keep else out.to(x.dtype)
+
+
+def _padded_gemm(x: torch.Tensor, w: torch.Tensor, keep: bool = False) -> torch.Tensor:
+    rows, needed = x.shape[0], min_rows(x.dtype)
+    if rows >= needed:
+        return _gemm(x, w, keep)
+    padded = F.pad(x, (0, 0, 0, needed - rows))
+    return _gemm(padded, w, keep)[:rows]
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [N, in] @ w[out, in].T, invariant to N."""
-    rows, needed = x.shape[0], min_rows(x.dtype)
-    if rows >= needed:
-        return _gemm(x, w)
-    padded = F.pad(x, (0, 0, 0, needed - rows))
-    return _gemm(padded, w)[:rows]
+    return _padded_gemm(x, w)
 
 
 def plain_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The same GEMM without the padding: the reduction order follows N (GEMV for one row)."""
     return _gemm(x, w)
+
+
+# Row-parallel GEMMs (o_proj, down_proj) split K into this many chunks whatever the parallel degree:
+# every supported degree (1, 2, 4) divides it, and a rank holds REDUCE_CHUNKS / degree whole chunks.
+REDUCE_CHUNKS = 4
+
+
+def fixed_order_row_linear(x: torch.Tensor, w: torch.Tensor, comm) -> torch.Tensor:
+    """x [N, K/size] @ w[out, K/size].T summed over the ranks of `comm` in an order that does not depend on
+    their number: a partial GEMM per fixed K chunk (REDUCE_CHUNKS of them over the whole K), the partials
+    of all ranks gathered in chunk order, then added one after the other in fp32 and rounded once. One
+    process (size 1) computes the very same chunks, so TP1, TP2 and TP4 give the same bits."""
+    local = REDUCE_CHUNKS // comm.size
+    if local * comm.size != REDUCE_CHUNKS or x.shape[-1] % local:
+        raise ValueError(f"K {x.shape[-1] * comm.size} does not split into {REDUCE_CHUNKS} chunks over {comm.size} ranks")
+    parts = [_padded_gemm(xc.contiguous(), wc.contiguous(), keep=True).float()
+             for xc, wc in zip(x.chunk(local, -1), w.chunk(local, -1))]
+    partials = comm.all_gather(torch.stack(parts))  # [REDUCE_CHUNKS, N, out], chunk order
+    acc = partials[0]
+    for part in partials[1:]:
+        acc = acc + part
+    return acc.to(x.dtype)

@@ -114,3 +114,31 @@ def combine(expert_out, weights):
     for term in terms[1:]:
         acc = acc + term
     return acc.to(expert_out.dtype)
+
+
+def dispatch_experts(experts, comm, x, ids, gate_up, down):
+    """Expert parallelism: `experts` with E/size experts per rank (gate_up, down: this rank's, in expert
+    order), on tokens every rank holds in full ([N, H]).
+
+    Each rank owns a contiguous block of the tokens. It sends each (token, slot) pair of its block to the
+    rank holding that expert (all-to-all dispatch), runs its experts on the rows it receives (source rank
+    after source rank, so in global (token, slot) order), sends the outputs back (all-to-all), and the
+    ranks all-gather the [N, k, H] outputs; the caller's `combine` then sums each token's slots in routing
+    order exactly as one process does. A row's bits do not depend on how many rows share its expert's
+    GEMM (grouped_experts pads to min_rows), so EP1 and EP2 agree bit for bit. Inference only."""
+    num_tokens, top_k = ids.shape
+    per_rank = gate_up.shape[0]
+    block = -(-num_tokens // comm.size)
+    lo, hi = min(comm.rank * block, num_tokens), min((comm.rank + 1) * block, num_tokens)
+    own_ids = ids[lo:hi].flatten()
+    dest = own_ids // per_rank
+    order = torch.argsort(dest, stable=True)  # pairs by destination rank, (token, slot) order within
+    send = torch.bincount(dest, minlength=comm.size).tolist()
+    receive = comm.exchange_counts(send)
+    rows = comm.all_to_all(x[lo:hi].repeat_interleave(top_k, 0)[order], send, receive)
+    local_ids = comm.all_to_all(own_ids[order], send, receive) - comm.rank * per_rank
+    out = experts(rows, local_ids[:, None], gate_up, down)[:, 0] if len(rows) else rows
+    back = comm.all_to_all(out, receive, send)
+    mine = torch.empty_like(back).index_copy_(0, order, back).view(hi - lo, top_k, x.shape[-1])
+    padded = torch.nn.functional.pad(mine, (0, 0, 0, 0, 0, block - (hi - lo)))
+    return comm.all_gather(padded)[:num_tokens]

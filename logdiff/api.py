@@ -72,6 +72,8 @@ class Stack(ABC):
     Capabilities are attributes, read by the suite before it asks for anything:
       device            where the stack computes ("cpu", "cuda:0", "npu:0"), for report headers
       supports_capture  `rollout` and `trainer_logprobs` take `capture=` (`logdiff bisect` needs it)
+      parallel_degrees  {"tp": tensor-parallel degrees, "ep": expert-parallel degrees} that `parallel`
+                        accepts (conformance C8); (1,) each: the stack runs in one process only
 
     The capture protocol: when `capture` is given, the stack calls, before every model forward,
     `locate(capture, request, position, head)`: the request index (-1 for padding) and absolute position
@@ -84,6 +86,7 @@ class Stack(ABC):
     name: str = "unnamed"
     device: str = "cpu"
     supports_capture: bool = False
+    parallel_degrees: dict[str, tuple[int, ...]] = {"tp": (1,), "ep": (1,)}
 
     @abstractmethod
     def rollout(self, requests: Sequence[Request], options: EngineOptions = EngineOptions()) -> list[RolloutOutput]:
@@ -117,6 +120,12 @@ class Stack(ABC):
         copy of the weights copies them over here; one whose engine runs on the trainer's tensors has
         nothing to do."""
         raise Unsupported(f"stack {self.name} cannot load its trainer's updated weights into its rollout engine (sync_weights)")
+
+    def parallel(self, trainer_tp: int = 1, rollout_tp: int = 1, ep: int = 1) -> Stack:
+        """Optional (conformance C8, `logdiff run --tp/--ep`): this stack with its trainer sharded over
+        `trainer_tp` tensor-parallel ranks, its rollout engine over `rollout_tp`, the experts of both over
+        `ep` expert-parallel ranks. Log-probs come back whole, as from one process."""
+        raise Unsupported(f"stack {self.name} runs in one process only (parallel)")
 
     def describe(self) -> dict:
         """Versions and device, for report headers."""

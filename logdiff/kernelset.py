@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
+from logdiff.comm import SINGLE_PROCESS, Comm
+
 
 @dataclass(frozen=True)
 class KernelSet:
@@ -22,6 +26,11 @@ class KernelSet:
     combine(expert_out [N, k, H], weights [N, k]) -> [N, H]
     token_logprobs(logits [N, V], targets [N], temperature [N]) -> fp32 [N]; temperature 0 scores at 1
     sample(logits [S, V], temperature [S], seeds [S], token_index [S]) -> tokens [S]
+
+    Parallel execution (logdiff.parallel): `tp` and `ep` are the collectives over the ranks that share a
+    tensor-parallel layer and the expert layers (`SINGLE_PROCESS`: one process, every collective the
+    identity). A row-parallel GEMM ends in `row_linear(x [N, K/tp], w [out, K/tp], tp) -> [N, out]`;
+    None: `linear` on the shard, then the backend's native all_reduce (whose order follows the degree).
     """
 
     name: str
@@ -37,3 +46,24 @@ class KernelSet:
     combine: Callable
     token_logprobs: Callable
     sample: Callable
+    row_linear: Callable | None = None
+    tp: Comm = SINGLE_PROCESS
+    ep: Comm = SINGLE_PROCESS
+
+    def row_parallel(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The GEMM of a row-parallel layer (o_proj, down_proj): K is sharded over `tp`, the result whole."""
+        if self.row_linear is not None:
+            return self.row_linear(x, w, self.tp)
+        return self.tp.all_reduce(self.linear(x, w))
+
+    def vocab_parallel_logits(self, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+        """Logits [N, V] from a vocab-parallel lm_head (rows V/tp per rank): each rank's columns, gathered."""
+        return self.tp.all_gather(self.linear(hidden, lm_head), dim=-1)
+
+    def expert_parallel(self, x, ids, gate_up, down) -> torch.Tensor:
+        """`experts` with the experts sharded over `ep` (gate_up/down hold this rank's E/ep experts)."""
+        if self.ep.size == 1:
+            return self.experts(x, ids, gate_up, down)
+        from logdiff.kernels.moe import dispatch_experts
+
+        return dispatch_experts(self.experts, self.ep, x, ids, gate_up, down)

@@ -6,6 +6,10 @@ loads into a transformers model unchanged. Every op goes through a `KernelSet`; 
 the trainer and the rollout engine is only the `attend` callback (own keys vs paged cache) and the
 layout of the tokens (`SeqBatch`).
 
+Under tensor parallelism (logdiff.parallel) each rank runs this same code on its shard of the weights:
+q/k/v and gate/up column-parallel, o/down row-parallel (`ops.row_parallel`), lm_head vocab-parallel
+(`ops.vocab_parallel_logits`), experts sharded over the expert-parallel ranks (`ops.expert_parallel`).
+
 `capture(name, tensor)`, when given, receives the inputs and the output of every named point of the
 forward (`tokens`, `positions`, `embedding`, `layers.3.q_proj`, ..., `final_norm`, `logits`; the list,
 in order, is `logdiff.bisect.capture.point_names`); `logdiff bisect` uses it. None costs a no-op call per point.
@@ -132,7 +136,7 @@ class Qwen3ForCausalLM(nn.Module):
             cap(at + "rope_q", q), cap(at + "rope_k", k)
             o = attend(i, q, k, v).reshape(-1, c.num_attention_heads * c.head_dim)
             cap(at + "attention", o)
-            o = ops.linear(o, attn.o_proj.weight)
+            o = ops.row_parallel(o, attn.o_proj.weight)
             cap(at + "o_proj", o)
             x = x + o
             cap(at + "residual", x)
@@ -147,7 +151,7 @@ class Qwen3ForCausalLM(nn.Module):
     def _mlp(self, mlp, h, ops: KernelSet, cap, at: str) -> torch.Tensor:
         if isinstance(mlp, MLP):
             gate, up = ops.linear(h, mlp.gate_proj.weight), ops.linear(h, mlp.up_proj.weight)
-            out = ops.linear(ops.act(gate, up), mlp.down_proj.weight)
+            out = ops.row_parallel(ops.act(gate, up), mlp.down_proj.weight)
             cap(at + "mlp", out)
             return out
         c = self.config
@@ -155,14 +159,14 @@ class Qwen3ForCausalLM(nn.Module):
         cap(at + "router_logits", router_logits)
         ids, weights = ops.route(router_logits, c.num_experts_per_tok, c.norm_topk_prob)
         cap(at + "topk_ids", ids), cap(at + "topk_weights", weights)
-        expert_out = ops.experts(h, ids, mlp.experts.gate_up_proj, mlp.experts.down_proj)
+        expert_out = ops.expert_parallel(h, ids, mlp.experts.gate_up_proj, mlp.experts.down_proj)
         cap(at + "experts", expert_out)
         out = ops.combine(expert_out, weights)
         cap(at + "combine", out)
         return out
 
     def logits(self, hidden: torch.Tensor, ops: KernelSet, capture: Capture = None) -> torch.Tensor:
-        out = ops.linear(hidden, self.lm_head.weight)
+        out = ops.vocab_parallel_logits(hidden, self.lm_head.weight)
         if capture:
             capture("logits", out)
         return out

@@ -36,6 +36,7 @@ class KernelStack(Stack):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, max_model_len: int, kernels: KernelSet):
         self.name = kernels.name
         self.ops = kernels
+        self.spec, self.max_model_len = spec, max_model_len
         self.model = spec.build(dtype)
         self.device = str(next(self.model.parameters()).device)
         self.trainer = Trainer(self.model, kernels)
@@ -59,6 +60,20 @@ class KernelStack(Stack):
     def sync_weights(self):
         refresh_inference_copy(self.engine_model, self.model)
 
+    @property
+    def parallel_degrees(self):
+        """Built-in kernel sets only: each rank rebuilds the kernel set by name in its own process."""
+        from logdiff.parallel import EP_DEGREES, TP_DEGREES
+
+        return {"tp": TP_DEGREES, "ep": EP_DEGREES} if self.ops.name in builtin_kernel_sets() else Stack.parallel_degrees
+
+    def parallel(self, trainer_tp=1, rollout_tp=1, ep=1):
+        from logdiff.parallel import ShardedStack
+
+        if self.ops.name not in builtin_kernel_sets():
+            return super().parallel(trainer_tp, rollout_tp, ep)
+        return ShardedStack(self, trainer_tp, rollout_tp, ep)
+
 
 def builtin_kernel_sets() -> dict[str, tuple[Callable[[int], KernelSet], str]]:
     """Name -> (kernel set from max_model_len, description) of every KernelStack."""
@@ -71,7 +86,7 @@ def builtin_kernel_sets() -> dict[str, tuple[Callable[[int], KernelSet], str]]:
         "baseline": (lambda span: baseline_kernels(), baseline_kernels.__doc__),
         "naive": (naive_kernels, naive_kernels.__doc__),  # attention spans the whole context
     }
-    for name, make in ablations.ABLATIONS.items():
+    for name, make in (ablations.ABLATIONS | ablations.PARALLEL_ABLATIONS).items():
         sets[name] = (lambda span, make=make: make(), make.__doc__)
     return sets
 

@@ -46,6 +46,32 @@ def add_workload_args(p: argparse.ArgumentParser, stacks_default=RUN_STACKS) -> 
     p.set_defaults(stacks_default=stacks_default)
 
 
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of trainer and rollout (default 1)")
+    p.add_argument("--trainer-tp", type=int, default=None, help="tensor-parallel degree of the trainer (default --tp)")
+    p.add_argument("--rollout-tp", type=int, default=None, help="tensor-parallel degree of the rollout engine (default --tp)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (default 1)")
+
+
+def parallel_layout(args) -> dict:
+    """The degrees asked for: {} for one process."""
+    layout = dict(trainer_tp=args.trainer_tp or args.tp, rollout_tp=args.rollout_tp or args.tp, ep=args.ep)
+    if min(layout.values()) < 1:
+        raise UserError(f"parallel degrees {layout} must be >= 1")
+    return {} if set(layout.values()) == {1} else layout
+
+
+def parallel_stack(name: str, layout: dict):
+    """A factory of stack `name` sharded as `layout` (spawns its ranks; rank 0 gathers the log-probs)."""
+    if not layout:
+        return name
+
+    def factory(spec, dtype, max_model_len):
+        return stacks.resolve(name)(spec, dtype, max_model_len).parallel(**layout)
+
+    return factory
+
+
 def workload_from_args(args) -> Workload:
     w = Workload(
         model=args.model, dtype=args.dtype, batch_size=args.batch_size, prompt_lens=args.prompt_lens,

@@ -8,7 +8,14 @@ import torch
 
 from logdiff import report
 from logdiff.api import Unsupported
-from logdiff.cli.options import add_workload_args, stack_names, workload_from_args
+from logdiff.cli.options import (
+    add_parallel_args,
+    add_workload_args,
+    parallel_layout,
+    parallel_stack,
+    stack_names,
+    workload_from_args,
+)
 from logdiff.oracle import Oracle
 from logdiff.report import progress
 from logdiff.runner import run_stack
@@ -18,6 +25,7 @@ from logdiff.stacks import StackCache
 def add(sub) -> None:
     p = sub.add_parser("run", help="run a workload through stacks and compare rollout vs trainer log-probs bitwise")
     add_workload_args(p)
+    add_parallel_args(p)
     p.add_argument("--json", metavar="PATH", help="write the JSON result envelope here")
     p.add_argument("--dump", metavar="DIR", help="write tokens and both log-prob tensors per stack (safetensors)")
     p.set_defaults(func=cmd_run)
@@ -26,17 +34,19 @@ def add(sub) -> None:
 def cmd_run(args) -> int:
     workload = workload_from_args(args)
     names = stack_names(args)
+    layout = parallel_layout(args)
     if args.json:
         report.check_writable(args.json)
     dump = report.output_dir(args.dump, "--dump") if args.dump else None
-    print(f"logdiff run: {workload.describe()}")
+    print(f"logdiff run: {workload.describe()}" + (f", parallel {layout}" if layout else ""))
     rows, results, problems = [], [], []
     rollout_side, trainer_side = StackCache(), StackCache()
     oracle = None
     for i, name in enumerate(names, 1):
         progress(f"[{i}/{len(names)}] {name}: building (one instance for the rollout, one for the trainer)")
         try:
-            args_ = (name, workload.spec, workload.torch_dtype, workload.max_model_len)
+            factory = parallel_stack(name, layout)
+            args_ = (factory, workload.spec, workload.torch_dtype, workload.max_model_len)
             stack, trainer = rollout_side.get(*args_), trainer_side.get(*args_)
             oracle = oracle or Oracle(workload.spec, workload.torch_dtype)
             progress(f"[{i}/{len(names)}] {name}: rollout, trainer recompute, fp64 oracle")
