@@ -40,12 +40,16 @@ def lint(session):
 
 @nox.session(python=PYTHON)
 def suite(session):
-    """The main job: `logdiff run` on the embedded default, fp32 and bf16, every built-in kernel stack."""
+    """The main job: `logdiff run` on the embedded default, fp32, bf16 and fp16, every built-in stack; the
+    tables (bitwise figures and each side's distance from the fp64 oracle) to run-<dtype>.txt, JSON beside."""
     install(session)
     out = Path("results") / platform.node()
     out.mkdir(parents=True, exist_ok=True)
-    for dtype in ("fp32", "bf16"):
-        session.run("logdiff", "run", "--dtype", dtype, "--stack", "all", "--json", str(out / f"run-{dtype}.json"))
+    for dtype in ("fp32", "bf16", "fp16"):
+        table = session.run("logdiff", "run", "--dtype", dtype, "--stack", "all", "--json", str(out / f"run-{dtype}.json"),
+                            silent=True)
+        (out / f"run-{dtype}.txt").write_text(table)
+        print(table)
 
 
 @nox.session(python=PYTHON)

@@ -16,13 +16,13 @@ from .plugin import pytest_report_header, stack_info
 RESULT_FILES = ("check.json", "check.md", "conformance.svg", "logdiff.svg")
 
 
-def run_catalogue(stack: str, selected: list[str], xfails_file: str | None) -> Collector:
+def run_catalogue(stack: str, selected: list[str], xfails_file: str | None, options: list[str] = ()) -> Collector:
     """The catalogue's tests of the `selected` properties on `stack`, in this process, one progress line per test."""
     import pytest
 
     # pytest's own terminal output gives way to the progress lines and the table; addopts (-ra) need it.
     pytest_args = [str(Path(__file__).parent), f"--stack={stack}", "-p", "no:cacheprovider",
-                   "-p", "no:terminal", "-o", "addopts="]
+                   "-p", "no:terminal", "-o", "addopts=", *options]
     if xfails_file:
         pytest_args.append(f"--xfails-file={xfails_file}")
     if selected != list(CATALOGUE):

@@ -54,14 +54,14 @@ CASES = [(check, model) for check in CHECKS for model in MODELS if not (check ==
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("check, model", CASES)
-def test_c8_parallel_invariance(stack_for, bitwise, check, model, dtype):
+def test_c8_parallel_invariance(stack_for, trainer_for, bitwise, check, model, dtype):
     w = workload(model, dtype)
     stack = stack_for(w)
     if check == "tp-1-2-4":
         assert_degree_invariant(stack, w, bitwise, [dict(trainer_tp=d, rollout_tp=d) for d in (1, 2, 4)])
     elif check == "ep-1-2":
         assert_degree_invariant(stack, w, bitwise, [dict(ep=1), dict(ep=2), dict(trainer_tp=2, rollout_tp=2, ep=2)])
-    elif check == "trainer-tp1-rollout-tp2":
-        assert_rollout_matches_trainer(sharded(stack, trainer_tp=1, rollout_tp=2), w, bitwise)
     else:
-        assert_rollout_matches_trainer(sharded(stack, trainer_tp=2, rollout_tp=2), w, bitwise)
+        trainer_tp = 1 if check == "trainer-tp1-rollout-tp2" else 2
+        layout = dict(trainer_tp=trainer_tp, rollout_tp=2)
+        assert_rollout_matches_trainer(sharded(stack, **layout), sharded(trainer_for(w), **layout), w, bitwise)

@@ -34,11 +34,12 @@ def _check_consistent(b):
 
 
 # (ablation, first point, why that op in that layer)
+GEMM_POINTS = {"q_proj", "k_proj", "v_proj", "o_proj", "router_logits", "experts", "mlp", "logits"}
 ABLATION_FINDINGS = [
     # The trainer attends from a left-padded buffer with an additive mask; the rollout is reference.
     ("reference-no-mask", "layers.0.attention"),
-    # Decode GEMMs run unpadded with one row: q_proj, the first GEMM of a decode row, is the first to differ.
-    ("reference-no-order", "layers.0.q_proj"),
+    # Decode GEMMs run unpadded with one row: one of them is the first to differ (which one is the CPU's choice).
+    ("reference-no-order", "a GEMM"),
     # The rollout merges 64-key blocks, the trainer 128-key blocks.
     ("reference-no-blocks", "layers.0.attention"),
     # The rollout rounds P to bf16 before P.V.
@@ -49,11 +50,12 @@ ABLATION_FINDINGS = [
 @pytest.mark.parametrize("name, point", ABLATION_FINDINGS)
 def test_each_ablation_is_traced_to_the_op_it_changes(stack_cache, name, point):
     b = _bisect(stack_cache, name, **BREAKS_ON[name])
-    assert (b.first.point, b.first.klass, b.origin) == (point, KERNEL_PATH, None)
+    assert (b.first.klass, b.origin) == (KERNEL_PATH, None)
+    assert b.first.point.split(".")[-1] in GEMM_POINTS if point == "a GEMM" else b.first.point == point
     assert all(i.equal for i in b.first.inputs) and b.first.inputs
     prompt_len = b.position + 1 - b.divergence.pos
     if name == "reference-no-order":
-        assert b.position >= prompt_len  # a decode row: the only rows whose GEMMs run with M = 1
+        assert b.position >= prompt_len - 1  # the last prompt row (lm_head on one row) or a decode row: M = 1
     if name == "reference-no-blocks":
         assert b.position >= 64  # a row that sees a second 64-key block
     if name == "reference-no-mask":
@@ -82,7 +84,6 @@ def test_baseline_alone_is_traced_to_an_unpadded_gemm(stack_cache):
     assert b.position == 19 + b.divergence.pos
 
 
-GEMM_POINTS = {"q_proj", "k_proj", "v_proj", "o_proj", "router_logits", "experts", "mlp", "logits"}
 HF_WORKLOAD = dict(batch_size=2, prompt_lens=(20, 30), max_new_tokens=8, stagger=0)
 
 

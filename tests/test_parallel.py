@@ -43,7 +43,8 @@ def test_c8_catches_a_degree_dependent_reduction(cache, name):
 
 def test_no_reduce_order_breaks_only_parallel_invariance(cache):
     """One process: the ablation is the reference GEMM itself, so C3 holds."""
-    c3.test_c3_rollout_matches_trainer(stack_for=stack_for(cache, "reference-no-reduce-order"), bitwise=Bitwise(),
+    c3.test_c3_rollout_matches_trainer(stack_for=stack_for(cache, "reference-no-reduce-order"),
+                                       trainer_for=stack_for(StackCache(), "reference-no-reduce-order"), bitwise=Bitwise(),
                                        workload="breaks-no-order")
 
 

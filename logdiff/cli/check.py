@@ -27,6 +27,10 @@ def add(sub) -> None:
     p.add_argument("--xfails-file", metavar="PATH", help="known gaps: one test id per line, reported as xfail")
     p.add_argument("--property", action="append", dest="properties", metavar="ID",
                    help="run only this property, repeatable, e.g. --property C3 (default: the whole catalogue)")
+    p.add_argument("--workload-seed", type=int, default=0, metavar="S",
+                   help="seed of the generated workloads beside the fixed ones (default 0)")
+    p.add_argument("--workload-examples", type=int, default=None, metavar="N",
+                   help="generated workloads per property (default 4; 0: the fixed workloads only)")
     p.add_argument("--out", metavar="DIR", help="results folder (default results/<machine>/<stack>)")
     p.set_defaults(func=cmd_check)
 
@@ -50,7 +54,12 @@ def cmd_check(args) -> int:
         raise UserError(f"--xfails-file {args.xfails_file} is not a file; pass a text file with one test id per line")
     out = _out_dir(args.out, args.stack)
 
-    collector = run_catalogue(args.stack, selected, args.xfails_file)
+    if args.workload_examples is not None and args.workload_examples < 0:
+        raise UserError(f"--workload-examples {args.workload_examples} is negative; pass 0 or more")
+    generated = [f"--workload-seed={args.workload_seed}"]
+    if args.workload_examples is not None:
+        generated.append(f"--workload-examples={args.workload_examples}")
+    collector = run_catalogue(args.stack, selected, args.xfails_file, generated)
 
     verdicts = summarise(collector.results, selected, conformance.CATALOGUE)
     entry = {
