@@ -45,8 +45,11 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     rows, needed = x.shape[0], min_rows(x.dtype)
     if rows >= needed:
         return _gemm(x, w)
-    padded = F.pad(x, (0, 0, 0, needed - rows))
-    return _gemm(padded, w)[:rows]
+    # Zero rows and the conversion to the GEMM dtype in one buffer: one copy of x, not a pad then an upcast.
+    compute = gemm_dtype(x.dtype)
+    padded = x.new_zeros((needed, x.shape[1]), dtype=compute)
+    padded[:rows] = x
+    return F.linear(padded, w.to(compute))[:rows].to(x.dtype)
 
 
 def plain_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
