@@ -28,7 +28,7 @@ def naive_kernels(max_model_len: int) -> KernelSet:
         rms_norm=ref.rms_norm,
         act=ref.act,
         rope=ref.rope,
-        train_attention=partial(train_attention, align=_ALIGNED, block=max_model_len),
+        train_attention=partial(train_attention, align=_ALIGNED, block=max_model_len, recompute=False),
         rollout_attention=partial(rollout_attention, align=_ALIGNED, block=max_model_len),
         route=ref.route,
         experts=partial(run_experts, linear=ref.linear, act=ref.act),

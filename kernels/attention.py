@@ -82,7 +82,6 @@ def _online_softmax(q, q_pos, k, v, slots, block_ids, block, additive_mask, key_
     first = 0
     spare = q.shape[2] - MIN_ROWS  # rows that may be dropped (decode has none: skip the count)
     for j in block_ids:
-        keys = torch.arange(j * block, (j + 1) * block)
         needed = min(int((q_pos < j * block).sum(1).min()), spare) if spare > first else first
         if needed > first:
             cut = needed - first
@@ -93,13 +92,7 @@ def _online_softmax(q, q_pos, k, v, slots, block_ids, block, additive_mask, key_
         kb = k[:, block_slots].float()  # [Hkv, S, block, d]
         vb = v[:, block_slots].float()
         s = q[:, :, first:] @ kb.transpose(-1, -2)  # [Hkv, S, rows, block]
-        valid = keys <= q_pos[:, first:, None]  # [S, rows, block]
-        if key_start is not None:
-            valid = valid & (keys >= key_start[:, None, None])
-        if additive_mask:
-            s = s + (~valid) * ADDITIVE_MASK
-        else:
-            s = s.masked_fill(~valid, -math.inf)
+        s = _masked_scores(s, q_pos[:, first:], slice(j * block, (j + 1) * block), key_start, additive_mask)
         m_new = torch.maximum(m, s.amax(-1)).detach()  # a shift, not a function of the scores
         # exp(-inf - m_ref) is exactly 0, so selected-out scores contribute nothing; m_ref keeps
         # rows that have seen no valid key yet (split-KV partitions) from computing -inf - -inf.
@@ -118,11 +111,75 @@ def _online_softmax(q, q_pos, k, v, slots, block_ids, block, additive_mask, key_
     return m, l, acc
 
 
+class BlockAttention(torch.autograd.Function):
+    """`_attend` (one pass, no splits) with FlashAttention-2's backward: the forward runs the very same
+    block loop (so the same bits) and keeps only the output and each row's log-sum-exp; the backward
+    recomputes every block's probabilities P = exp(S - lse) and accumulates dQ, dK, dV block after block
+    in a fixed order (fp32, no atomics, no thread-dependent reduction: deterministic). Autograd through
+    the loop instead keeps every block's scores and rescale factors and, for each block, zero-fills a
+    gradient of the whole key buffer."""
+
+    @staticmethod
+    def forward(ctx, q, q_pos, k, v, slots, block, additive_mask, key_start):
+        num_blocks = slots.shape[1] // block
+        m, l, acc = _online_softmax(q, q_pos, k, v, slots, range(num_blocks), block, additive_mask, key_start, None)
+        out = acc / l[..., None]
+        m_ref = torch.where(m == -math.inf, 0.0, m)
+        # A row that saw no key (l = 0) takes no gradient: lse = +inf makes every recomputed P exactly 0.
+        lse = torch.where(l > 0, m_ref + torch.log(l), math.inf)
+        ctx.save_for_backward(q, q_pos, k, v, slots, key_start, out, lse)
+        ctx.block, ctx.additive_mask = block, additive_mask
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, q_pos, k, v, slots, key_start, out, lse = ctx.saved_tensors
+        block = ctx.block
+        heads, num_seqs, _, head_dim = q.shape
+        width = slots.shape[1]
+        dout = dout.float()
+        delta = (dout * out).sum(-1)  # rowsum(dO * O) = rowsum(P * dP)
+        dq = torch.zeros_like(q)
+        dk_pos = q.new_zeros(heads, num_seqs, width, head_dim)  # per (sequence, key position); each written once
+        dv_pos = torch.zeros_like(dk_pos)
+        for j in range(width // block):
+            cols = slice(j * block, (j + 1) * block)
+            first = int((q_pos < j * block).sum(1).min())  # rows before `first` see nothing of this block
+            qr, do = q[:, :, first:], dout[:, :, first:]
+            block_slots = slots[:, cols]
+            kb = k[:, block_slots].float()
+            vb = v[:, block_slots].float()
+            s = _masked_scores(qr @ kb.transpose(-1, -2), q_pos[:, first:], cols, key_start, ctx.additive_mask)
+            p = torch.exp(s - lse[..., first:, None])
+            dv_pos[:, :, cols] = p.transpose(-1, -2) @ do
+            ds = p * (do @ vb.transpose(-1, -2) - delta[..., first:, None])
+            dq[:, :, first:] += ds @ kb
+            dk_pos[:, :, cols] = ds.transpose(-1, -2) @ qr
+        flat = slots.flatten()
+        dk = k.new_zeros(k.shape, dtype=torch.float32).index_add_(1, flat, dk_pos.view(heads, -1, head_dim))
+        dv = v.new_zeros(v.shape, dtype=torch.float32).index_add_(1, flat, dv_pos.view(heads, -1, head_dim))
+        return dq, None, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def _masked_scores(s, q_pos, cols: slice, key_start, additive_mask):
+    """Scores of keys at positions `cols` with causal (and key_start) masking applied, as the forward does."""
+    keys = torch.arange(cols.start, cols.stop)
+    valid = keys <= q_pos[:, :, None]  # [S, rows, block]
+    if key_start is not None:
+        valid = valid & (keys >= key_start[:, None, None])
+    if additive_mask:
+        return s + (~valid) * ADDITIVE_MASK
+    return s.masked_fill(~valid, -math.inf)
+
+
 # --------------------------------------------------------------------------- the three paths
 
 
-def train_attention(q, k, v, seqs: SeqBatch, align: Alignments, block: int = KV_BLOCK) -> torch.Tensor:
-    """Teacher-forced attention of whole sequences over themselves: q [N, Hq, d], k/v [N, Hkv, d] packed."""
+def train_attention(q, k, v, seqs: SeqBatch, align: Alignments, block: int = KV_BLOCK, recompute: bool = True) -> torch.Tensor:
+    """Teacher-forced attention of whole sequences over themselves: q [N, Hq, d], k/v [N, Hkv, d] packed.
+
+    `recompute`: differentiate with `BlockAttention`'s backward (scores recomputed block by block from the
+    saved log-sum-exp); False: autograd through the block loop, as a straightforward implementation does."""
     left_padded = not align.mask
     index = seqs.padded_index(left=left_padded)
     buffer_len = index.shape[1]
@@ -131,10 +188,11 @@ def train_attention(q, k, v, seqs: SeqBatch, align: Alignments, block: int = KV_
     key_start = (buffer_len - seqs.lengths) if left_padded else None
     slots = _pad_to_blocks(index, block, fill=seqs.num_tokens)
     rows, row_pos = _query_rows(q, index, q_pos, k.shape[1])
-    out = _attend(
-        rows, row_pos, _slot_major(k), _slot_major(v), slots,
-        block=block, additive_mask=not align.mask, key_start=key_start,
-    )
+    keys, values = _slot_major(k), _slot_major(v)
+    if recompute and torch.is_grad_enabled() and (rows.requires_grad or keys.requires_grad or values.requires_grad):
+        out = BlockAttention.apply(rows, row_pos, keys, values, slots, block, not align.mask, key_start)
+    else:
+        out = _attend(rows, row_pos, keys, values, slots, block=block, additive_mask=not align.mask, key_start=key_start)
     return _unpack_rows(out, index, q)
 
 

@@ -80,7 +80,11 @@ def grouped_experts(x, ids, gate_up, down, invariant=True, act=silu_mul):
     source = torch.full((total,), num_tokens, dtype=torch.long).index_put_((dest,), order // top_k)
     compute = gemm_dtype(x.dtype)
     # An embedding gather: its backward sums a token's k rows in a fixed order (index backward does not).
-    buffer = F.embedding(source, F.pad(x, (0, 0, 0, 1))).to(compute)  # padding rows read the zero row
+    # Padding rows read the zero row. Without autograd, x is upcast before the gather (the same values,
+    # N rows converted instead of E x capacity); with it, the gather stays in x's dtype so the backward
+    # sums a token's k rows in that dtype, as before.
+    table = F.pad(x if torch.is_grad_enabled() else x.to(compute), (0, 0, 0, 1))
+    buffer = F.embedding(source, table).to(compute)
     if batched:
         h = torch.bmm(buffer.view(num_experts, capacity, -1), gate_up.to(compute).transpose(1, 2))
         gate, up = h.view(total, -1).to(x.dtype).chunk(2, dim=-1)

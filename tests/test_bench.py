@@ -31,6 +31,10 @@ def test_bench_writes_envelope_badge_and_plot(bench_run):
     assert {r["case"] for r in claim} == {"decode-b1", "decode-b8", "trainer"}
     assert all(r["min"] <= r["median"] <= r["max"] for r in claim)
     assert len(data["loadavg"]["before"]) == 3 and data["platform"]["threads"] >= 1
+    limits = data["limits"]
+    assert limits["machine"]["bandwidth_bytes_per_s"] > 0 and limits["machine"]["gemm_flop_per_s"] > 0
+    assert {limits["cases"][c]["limit"] for c in ("decode-b1", "decode-b8", "trainer")} == {"memory bandwidth", "GEMM peak"}
+    assert all(0 < limits["cases"][c]["fraction"][s]["median"] for c in limits["cases"] for s in ("reference", "naive"))
     assert data["peers"]["figures"] and "own hardware" in data["peers"]["note"]
     # greedy fp32 on the same weights: naive generated exactly the reference's tokens
     check = data["checks"]["decode-b8"]["tokens"]["naive"]
@@ -46,6 +50,7 @@ def test_bench_prints_ratios_and_peers(bench_run, capsys):
     assert code == 0
     assert "the claim (reference/naive)" in text and "decode-b1" in text
     assert "published figures, each on its authors' own hardware" in text and "VeXact" in text
+    assert "the limit: memory bandwidth" in text and "tokens/s (memory bandwidth)" in text
 
 
 @pytest.mark.parametrize("args,message", [

@@ -11,7 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 ONE_ULP = "test_conformance_controls:one_ulp_stack"  # tests/test_conformance_controls.py
-SELECTION = "test_c3_rollout_matches_trainer and dense or test_c1_run_to_run_determinism and trainer-sampled"
+SELECTION = "test_c3_rollout_matches_trainer and dense or test_c1_run_to_run_determinism and trainer-sampled-same"
 
 
 def pytest_conformance(*args):
@@ -36,7 +36,7 @@ def test_failure_names_the_divergent_token_with_its_bits(one_ulp_run):
     out = one_ulp_run.stdout
     assert one_ulp_run.returncode == 1, out[-3000:]
     assert "FAILED conformance/test_c03_rollout_trainer.py::test_c3_rollout_matches_trainer[dense]" in out
-    assert "PASSED conformance/test_c01_determinism.py::test_c1_run_to_run_determinism[trainer-sampled]" in out
+    assert "PASSED conformance/test_c01_determinism.py::test_c1_run_to_run_determinism[trainer-sampled-same]" in out
     assert "rollout vs trainer: 23/24 log-probs bitwise equal" in out
     assert "logprobs differ at seq 1 pos 3: 0x" in out
 

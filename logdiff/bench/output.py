@@ -57,6 +57,7 @@ def print_summary(result: dict) -> None:
     print("\ntokens/s, median [min-max] over repeats")
     print(report.table(rows))
     _print_checks(result)
+    _print_limits(result)
     ratio_rows = ratios(result)
     if ratio_rows:
         print("\nratios, median [min-max] of per-repeat ratios")
@@ -78,6 +79,29 @@ def print_summary(result: dict) -> None:
     print("\npublished figures, each on its authors' own hardware (context only, not comparable to this machine)")
     print(report.table([{"who": p.who, "what": p.what, "slowdown": f"{p.slowdown:g}x", "hardware": p.hardware}
                         for p in PEER_FIGURES]))
+
+
+def limits(result: dict) -> dict:
+    """The machine's measured limits and, per case that has a bound, each stack's fraction of it."""
+    cases = {c: {**r["bound"], "fraction": {name: spread(f) for name, f in r["limit_fraction"].items()}}
+             for c, r in result["cases"].items() if r.get("bound")}
+    return {"machine": result.get("machine"), "cases": cases}
+
+
+def _print_limits(result: dict) -> None:
+    lim = limits(result)
+    if not lim["cases"]:
+        return
+    m = lim["machine"]
+    print(f"\nthe limit: memory bandwidth {m['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, GEMM peak "
+          f"{m['gemm_flop_per_s'] / 1e9:.0f} GFLOP/s ({m['gemm_dtype']}, {m['threads']} threads), measured this run; "
+          "fraction of the bound, median [min-max]")
+    rows = []
+    for case, b in lim["cases"].items():
+        row = {"case": case, "bound": f"{b['bound_tokens_per_s']:.4g} tokens/s ({b['limit']})"}
+        row.update({name: fmt_spread(s) for name, s in b["fraction"].items()})
+        rows.append(row)
+    print(report.table(rows))
 
 
 def _print_checks(result: dict) -> None:
@@ -121,7 +145,7 @@ def write_outputs(result: dict, out: Path) -> list[Path]:
         ratios=ratios(result), targets=targets(result),
         checks={c: {"tokens": r.get("token_check", {}), "outputs": r.get("output_check", {})}
                 for c, r in result["cases"].items()},
-        loadavg=result["loadavg"], wall_seconds=result["wall_seconds"],
+        limits=limits(result), loadavg=result["loadavg"], wall_seconds=result["wall_seconds"],
         peers={"note": "published by each source on its own hardware; not comparable to this machine",
                "claimed_speedup": list(CLAIMED_SPEEDUP), "claim_source": CLAIM_SOURCE,
                "figures": [p.to_dict() for p in PEER_FIGURES]},
@@ -173,6 +197,10 @@ def _write_plot(result: dict, path: Path) -> bool:
         med = [s["median"] for _, s in points]
         err = [[s["median"] - s["min"] for _, s in points], [s["max"] - s["median"] for _, s in points]]
         ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=name)
+    bounds = [(b, r["bound"]["bound_tokens_per_s"]) for b, r in decode if r.get("bound")]
+    if bounds:
+        ax.plot([b for b, _ in bounds], [v for _, v in bounds], "k--", label="weight-bandwidth bound")
+        ax.set_yscale("log")
     ax.set_xscale("log", base=2)
     ax.set_xticks([b for b, _ in decode], [str(b) for b, _ in decode])
     ax.set_xlabel("decode batch size")

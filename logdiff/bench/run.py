@@ -18,9 +18,10 @@ from logdiff import stacks
 from logdiff.api import Unsupported
 from logdiff.bench.cases import CASES, Measurement, measure, token_agreement
 from logdiff.bench.kernel_cases import KERNEL_CASES, measure_kernel
+from logdiff.bench.limits import ModelCosts, case_bound, measure_machine
 from logdiff.oracle import Oracle, fidelity
 from logdiff.stacks import KERNEL_STACKS
-from logdiff.weights import parse_dtype
+from logdiff.weights import ModelSpec, parse_dtype
 
 MODEL_CASES = tuple(CASES)
 ALL_CASES = MODEL_CASES + tuple(KERNEL_CASES)
@@ -33,15 +34,21 @@ def run_bench(names: list[str], cases: list[str], model: str, dtype: str, repeat
     started = time.perf_counter()
     load_before = os.getloadavg()
     runs = sum((len(names) if c in CASES else len(KERNEL_STACKS)) * (repeats + 1) for c in cases)
+    machine = measure_machine(parse_dtype(dtype))
+    costs = ModelCosts(ModelSpec(model).config(), parse_dtype(dtype).itemsize)
     results: dict[str, dict] = {}
     with tqdm(total=runs, desc="logdiff bench", unit="run", file=sys.stderr, dynamic_ncols=True) as bar:
         for case in cases:
             if case in CASES:
                 results[case] = _bench_model_case(CASES[case], names, model, dtype, repeats, bar)
+                results[case]["bound"] = bound = case_bound(CASES[case], costs, machine)
+                if bound:
+                    results[case]["limit_fraction"] = {name: [v / bound["bound_tokens_per_s"] for v in tps]
+                                                       for name, tps in results[case]["tokens_per_s"].items()}
             else:
                 results[case] = _bench_kernel_case(case, dtype, repeats, bar)
     return {
-        "model": model, "dtype": dtype, "stacks": names, "cases": results, "repeats": repeats,
+        "model": model, "dtype": dtype, "stacks": names, "cases": results, "repeats": repeats, "machine": machine,
         "loadavg": {"before": list(load_before), "after": list(os.getloadavg())},
         "threads": torch.get_num_threads(), "wall_seconds": time.perf_counter() - started,
     }
