@@ -46,24 +46,17 @@ def _padded_gemm(x: torch.Tensor, w: torch.Tensor, keep: bool = False) -> torch.
     rows, needed = x.shape[0], min_rows(x.dtype)
     if rows >= needed:
         return _gemm(x, w, keep)
-    padded = F.pad(x, (0, 0, 0, needed - rows))
-    return _gemm(padded, w, keep)[:rows]
-
-
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [N, in] @ w[out, in].T, invariant to N."""
-<<<<<<< HEAD
-    return _padded_gemm(x, w)
-=======
-    rows, needed = x.shape[0], min_rows(x.dtype)
-    if rows >= needed:
-        return _gemm(x, w)
     # Zero rows and the conversion to the GEMM dtype in one buffer: one copy of x, not a pad then an upcast.
     compute = gemm_dtype(x.dtype)
     padded = x.new_zeros((needed, x.shape[1]), dtype=compute)
     padded[:rows] = x
-    return F.linear(padded, w.to(compute))[:rows].to(x.dtype)
->>>>>>> perf
+    out = F.linear(padded, w.to(compute))[:rows]
+    return out if keep else out.to(x.dtype)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [N, in] @ w[out, in].T, invariant to N."""
+    return _padded_gemm(x, w)
 
 
 def plain_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
