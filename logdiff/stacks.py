@@ -137,6 +137,18 @@ def build(name: str, spec: ModelSpec, dtype: torch.dtype, max_model_len: int) ->
     return resolve(name)(spec, dtype, max_model_len)
 
 
+def parallel_factory(name: str, layout: dict) -> StackFactory:
+    """Stack `name` sharded as `layout` (trainer_tp, rollout_tp, ep; spawns its ranks, rank 0 gathers the
+    log-probs); `name`'s own factory for one process."""
+    if not layout:
+        return resolve(name)
+
+    def factory(spec: ModelSpec, dtype: torch.dtype, max_model_len: int) -> Stack:
+        return resolve(name)(spec, dtype, max_model_len).parallel(**layout)
+
+    return factory
+
+
 class StackCache:
     """Builds each (stack, model, seed, dtype, max_model_len) once: building copies the weights. A stack that
     declined (`Unsupported`) declines again from the cache. `keep_one_model` frees a stack's earlier

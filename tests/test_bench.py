@@ -79,3 +79,16 @@ def test_token_agreement_catches_less_work_and_other_ids():
     assert token_agreement(ref, [[1, 2, 3], [4, 5]])["same_counts"] is False
     other = token_agreement(ref, [[1, 2, 3], [4, 9, 6]])
     assert other["same_counts"] and other["equal_ids"] == 5 and other["first_difference"] == {"request": 1, "index": 1}
+
+
+def test_bench_times_sharded_stacks(tmp_path, capsys):
+    """`--tp 2`: both stacks run on two torch.distributed ranks; the trainer case needs autograd, which the
+    sharded trainer does not offer, so it is skipped with the reason, never timed as something else."""
+    args = ["bench", "--tp", "2", "--model", "qwen3-dense-tiny", "--dtype", "fp32", "--stack", "reference",
+            "--stack", "baseline", "--case", "prefill", "--case", "trainer", "--repeats", "1", "--out", str(tmp_path)]
+    assert main(args) == 0
+    env = json.loads((tmp_path / "bench-qwen3-dense-tiny-fp32-trainertp2-rollouttp2.json").read_text())
+    assert env["workload"]["parallel"] == {"trainer_tp": 2, "rollout_tp": 2, "ep": 1}
+    for stack in env["stacks"]:
+        assert stack["cases"]["prefill"]["tokens_per_s"][0] > 0 and "trainer" in stack["skipped"]
+    assert "sharded trainer_tp 2 rollout_tp 2 ep 1" in capsys.readouterr().out

@@ -43,7 +43,9 @@ def targets(result: dict) -> list[dict]:
 
 
 def print_summary(result: dict) -> None:
-    print(f"logdiff bench: {result['model']} {result['dtype']}, {result['repeats']} interleaved repeats, "
+    parallel = result.get("parallel") or {}
+    sharded = (", sharded " + " ".join(f"{k} {v}" for k, v in parallel.items())) if parallel else ""
+    print(f"logdiff bench: {result['model']} {result['dtype']}{sharded}, {result['repeats']} interleaved repeats, "
           f"{result['threads']} threads, load average {result['loadavg']['before'][0]:.2f} -> "
           f"{result['loadavg']['after'][0]:.2f}, {result['wall_seconds']:.0f} s")
     rows = []
@@ -128,9 +130,11 @@ def _print_checks(result: dict) -> None:
 
 
 def write_outputs(result: dict, out: Path) -> list[Path]:
-    stem = f"{_slug(result['model'])}-{result['dtype']}"
+    parallel = result.get("parallel") or {}
+    sharded = "".join(f"-{k.replace('_', '')}{v}" for k, v in parallel.items() if v > 1)
+    stem = f"{_slug(result['model'])}-{result['dtype']}{sharded}"
     json_path, badge_path, plot_path = out / f"bench-{stem}.json", out / f"speedup-{stem}.svg", out / f"throughput-{stem}.png"
-    workload = {"model": result["model"], "dtype": result["dtype"], "repeats": result["repeats"],
+    workload = {"model": result["model"], "dtype": result["dtype"], "repeats": result["repeats"], "parallel": parallel,
                 "cases": {c: {k: v for k, v in r.items() if k in ("kind", "describe", "batch", "prompt_len",
                                                                    "new_tokens", "counted_tokens")}
                           for c, r in result["cases"].items()}}
@@ -143,7 +147,8 @@ def write_outputs(result: dict, out: Path) -> list[Path]:
     data = report.envelope(
         "bench", workload, stacks,
         ratios=ratios(result), targets=targets(result),
-        checks={c: {"tokens": r.get("token_check", {}), "outputs": r.get("output_check", {})}
+        checks={c: {"tokens": r.get("token_check", {}), "outputs": r.get("output_check", {}),
+                    "fidelity": r.get("fidelity", {})}
                 for c, r in result["cases"].items()},
         limits=limits(result), loadavg=result["loadavg"], wall_seconds=result["wall_seconds"],
         peers={"note": "published by each source on its own hardware; not comparable to this machine",

@@ -27,8 +27,9 @@ MODEL_CASES = tuple(CASES)
 ALL_CASES = MODEL_CASES + tuple(KERNEL_CASES)
 
 
-def run_bench(names: list[str], cases: list[str], model: str, dtype: str, repeats: int) -> dict:
-    """Times every case on every stack; returns the raw measurements, the token checks and the load."""
+def run_bench(names: list[str], cases: list[str], model: str, dtype: str, repeats: int, layout: dict | None = None) -> dict:
+    """Times every case on every stack; returns the raw measurements, the token checks and the load.
+    `layout`: the stacks sharded over torch.distributed ranks (trainer_tp, rollout_tp, ep), or one process."""
     from tqdm import tqdm
 
     started = time.perf_counter()
@@ -40,7 +41,7 @@ def run_bench(names: list[str], cases: list[str], model: str, dtype: str, repeat
     with tqdm(total=runs, desc="logdiff bench", unit="run", file=sys.stderr, dynamic_ncols=True) as bar:
         for case in cases:
             if case in CASES:
-                results[case] = _bench_model_case(CASES[case], names, model, dtype, repeats, bar)
+                results[case] = _bench_model_case(CASES[case], names, model, dtype, repeats, bar, layout or {})
                 results[case]["bound"] = bound = case_bound(CASES[case], costs, machine)
                 if bound:
                     results[case]["limit_fraction"] = {name: [v / bound["bound_tokens_per_s"] for v in tps]
@@ -48,20 +49,22 @@ def run_bench(names: list[str], cases: list[str], model: str, dtype: str, repeat
             else:
                 results[case] = _bench_kernel_case(case, dtype, repeats, bar)
     return {
-        "model": model, "dtype": dtype, "stacks": names, "cases": results, "repeats": repeats, "machine": machine,
+        "model": model, "dtype": dtype, "stacks": names, "parallel": layout or {}, "cases": results, "repeats": repeats,
+        "machine": machine,
         "loadavg": {"before": list(load_before), "after": list(os.getloadavg())},
         "threads": torch.get_num_threads(), "wall_seconds": time.perf_counter() - started,
     }
 
 
-def _bench_model_case(case, names, model, dtype, repeats, bar) -> dict:
+def _bench_model_case(case, names, model, dtype, repeats, bar, layout: dict) -> dict:
     workload = case.workload(model, dtype)
     workload.validate()
     built, skipped = {}, {}
     for name in names:
         bar.set_postfix_str(f"{case.name}: building {name}")
         try:
-            built[name] = stacks.build(name, workload.spec, workload.torch_dtype, workload.max_model_len)
+            factory = stacks.parallel_factory(name, layout)
+            built[name] = factory(workload.spec, workload.torch_dtype, workload.max_model_len)
         except Unsupported as e:
             skipped[name] = str(e)
     timings: dict[str, list[Measurement]] = {name: [] for name in built}

@@ -6,6 +6,7 @@ import torch
 
 from logdiff import report, stacks
 from logdiff.bench.run import ALL_CASES, MODEL_CASES, run_bench
+from logdiff.cli.options import add_parallel_args, parallel_layout
 from logdiff.errors import UserError
 from logdiff.stacks import BENCH_STACKS
 
@@ -23,6 +24,7 @@ def add(sub) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed runs per stack and case (default 5)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's default, one per core)")
     p.add_argument("--out", metavar="DIR", help="folder for JSON, badge and plot (default results/<machine>/bench)")
+    add_parallel_args(p)
     p.set_defaults(func=cmd_bench)
 
 
@@ -56,7 +58,7 @@ def cmd_bench(args) -> int:
     ModelSpec(args.model).config()
     out = report.output_dir(args.out or report.results_dir("bench"), "--out")
 
-    result = run_bench(names, cases, args.model, args.dtype, args.repeats)
+    result = run_bench(names, cases, args.model, args.dtype, args.repeats, parallel_layout(args))
     print_summary(result)
     for path in write_outputs(result, out):
         print(f"wrote {path}")

@@ -61,17 +61,6 @@ def parallel_layout(args) -> dict:
     return {} if set(layout.values()) == {1} else layout
 
 
-def parallel_stack(name: str, layout: dict):
-    """A factory of stack `name` sharded as `layout` (spawns its ranks; rank 0 gathers the log-probs)."""
-    if not layout:
-        return name
-
-    def factory(spec, dtype, max_model_len):
-        return stacks.resolve(name)(spec, dtype, max_model_len).parallel(**layout)
-
-    return factory
-
-
 def workload_from_args(args) -> Workload:
     w = Workload(
         model=args.model, dtype=args.dtype, batch_size=args.batch_size, prompt_lens=args.prompt_lens,

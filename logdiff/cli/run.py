@@ -12,14 +12,13 @@ from logdiff.cli.options import (
     add_parallel_args,
     add_workload_args,
     parallel_layout,
-    parallel_stack,
     stack_names,
     workload_from_args,
 )
 from logdiff.oracle import Oracle
 from logdiff.report import progress
 from logdiff.runner import run_stack
-from logdiff.stacks import StackCache
+from logdiff.stacks import StackCache, parallel_factory
 
 
 def add(sub) -> None:
@@ -45,7 +44,7 @@ def cmd_run(args) -> int:
     for i, name in enumerate(names, 1):
         progress(f"[{i}/{len(names)}] {name}: building (one instance for the rollout, one for the trainer)")
         try:
-            factory = parallel_stack(name, layout)
+            factory = parallel_factory(name, layout)
             args_ = (factory, workload.spec, workload.torch_dtype, workload.max_model_len)
             stack, trainer = rollout_side.get(*args_), trainer_side.get(*args_)
             oracle = oracle or Oracle(workload.spec, workload.torch_dtype)
