@@ -54,6 +54,9 @@ def _bench_model_case(case, names, model, dtype, repeats, bar) -> dict:
         bar.set_postfix_str(f"{case.name}: building {name}")
         try:
             built[name] = stacks.build(name, workload.spec, workload.torch_dtype, workload.max_model_len)
+            start = getattr(built[name], "start", None)  # an engine in another process starts here, untimed
+            if start:
+                start()
         except Unsupported as e:
             skipped[name] = str(e)
     timings: dict[str, list[Measurement]] = {name: [] for name in built}
@@ -70,6 +73,10 @@ def _bench_model_case(case, names, model, dtype, repeats, bar) -> dict:
             if rep:
                 timings[name].append(m)
             bar.update(1)
+    for stack in built.values():
+        close = getattr(stack, "close", None)  # stop an engine in another process before the next case
+        if close:
+            close()
     del built  # free the models before the next case builds its own
     return {
         "kind": case.kind, "describe": case.describe(), "batch": case.batch, "prompt_len": case.prompt_len,

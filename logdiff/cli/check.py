@@ -16,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from logdiff import report, stacks
+from logdiff.cli.options import add_engine_args, apply_engine_args
 from logdiff.errors import UserError
 
 
@@ -28,6 +29,7 @@ def add(sub) -> None:
     p.add_argument("--property", action="append", dest="properties", metavar="ID",
                    help="run only this property, repeatable, e.g. --property C3 (default: the whole catalogue)")
     p.add_argument("--out", metavar="DIR", help="results folder (default results/<machine>/<stack>)")
+    add_engine_args(p)
     p.set_defaults(func=cmd_check)
 
 
@@ -43,6 +45,7 @@ def cmd_check(args) -> int:
         write_results,
     )
 
+    apply_engine_args(args)
     stacks.resolve(args.stack)
     selected = _selected_properties(args.properties, conformance.CATALOGUE)
     if args.xfails_file and not Path(args.xfails_file).is_file():
