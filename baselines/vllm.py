@@ -14,13 +14,15 @@ token's log-prob only). The engine is eager (`enforce_eager`). Engine options ma
                  and max_num_seqs no larger), so no forward holds more prompt tokens than that
   shuffle_pages  declined: vLLM allocates its own block tables
 
-An engine is started on the first rollout (a trainer instance of the stack never starts one) and again
-when a rollout asks for other engine options (20-30 s each on 2 cores).
+An engine is started on the first rollout (a trainer instance of the stack never starts one), and another
+for each other set of engine options (20-30 s each on 2 cores); `LOGDIFF_MAX_CHILDREN` caps how many
+run at once (about 2 GB each), the least recently used stopping first and starting again when asked.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -106,8 +108,8 @@ class VLLMStack(RemoteRollout):
         self.name, self.device = name, device
         self.env, self.overrides = env or {}, overrides or {}
         self.python = vllm_python()
-        self.child: ChildProcess | None = None
-        self.child_kwargs: dict | None = None
+        self.children: dict[str, ChildProcess] = {}
+        self.child: ChildProcess | None = None  # the one used last
 
     def kwargs(self, options: EngineOptions) -> dict:
         checkpoint = str(self.spec.checkpoint_dir(self.dtype))
@@ -123,12 +125,11 @@ class VLLMStack(RemoteRollout):
         if declined:
             raise declined
         kwargs = self.kwargs(options)
-        if self.child is None or self.child_kwargs != kwargs:
-            if self.child is not None:
-                self.child.close()
-            self.child = ChildProcess([self.python, str(CHILD)], f"vLLM engine ({self.name})", env=self.env,
-                                      init={"op": "init", "llm": kwargs})
-            self.child_kwargs = kwargs
+        key = json.dumps(kwargs, sort_keys=True)
+        if key not in self.children:  # one engine per set of options; logdiff.remote caps how many run at once
+            self.children[key] = ChildProcess([self.python, str(CHILD)], f"vLLM engine ({self.name})", env=self.env,
+                                              init={"op": "init", "llm": kwargs})
+        self.child = self.children[key]
         return self.child
 
     def call(self, options: EngineOptions, message: dict | None = None) -> dict:
@@ -160,8 +161,8 @@ class VLLMStack(RemoteRollout):
         self.call(EngineOptions())
 
     def close(self) -> None:
-        if self.child is not None:
-            self.child.close()
+        for child in self.children.values():
+            child.close()
 
     def remote_rollout(self, requests, options):
         payload = [{"prompt": list(r.prompt), "arrival": r.arrival, "params": sampling_params(r)} for r in requests]

@@ -261,7 +261,13 @@ class RemoteRollout(Stack):
         """Optional: start the engine now (benchmarks do, outside their timed region)."""
 
     def close(self) -> None:
-        """Optional: stop the engine."""
+        """Optional: stop the engine (also at exit, and when the stack is used as a context manager)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def describe(self) -> dict:
         info = super().describe()

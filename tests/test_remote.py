@@ -170,7 +170,10 @@ def test_vllm_adapter_through_a_stand_in_child(fake_child, monkeypatch, tmp_path
     first = stack.child.init_reply["pid"]
     stack.rollout([Request((3,), 1)], EngineOptions(page_size=64))  # other options: another engine
     assert stack.child.init_reply["pid"] != first and stack.child.init_reply["init"]["block_size"] == 64
+    stack.rollout([Request((3,), 1)])  # the first engine again: still running
+    assert stack.child.init_reply["pid"] == first and len(stack.children) == 2
     stack.close()
+    assert not any(c.alive for c in stack.children.values())
 
 
 def test_checkpoint_dir_loads_in_transformers(tmp_path, monkeypatch):
