@@ -149,7 +149,8 @@ class VLLMStack(RemoteRollout):
         its first forward (dense: a Triton kernel called on CPU)."""
         if self.env.get("VLLM_BATCH_INVARIANT") == "1" and self.device == "cpu":
             _DECLINED[self._platform_key] = Unsupported(
-                "VLLM_BATCH_INVARIANT=1 needs vLLM's Triton kernels and Triton has no CPU backend; the engine "
+                "VLLM_BATCH_INVARIANT=1 does not run on vLLM's CPU backend: its batch-invariant kernels are Triton's "
+                "and Triton has no CPU backend, and the CPU MoE kernel declares no batch invariance; the engine "
                 f"failed: {error}")
             raise _DECLINED[self._platform_key] from None
 

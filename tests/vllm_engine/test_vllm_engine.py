@@ -117,7 +117,7 @@ def test_vllm_batch_invariant_is_declined_on_cpu():
     from logdiff.baselines.vllm import vllm_batch_invariant_stack
 
     stack = vllm_batch_invariant_stack(ModelSpec("qwen3-dense-tiny"), torch.float32, 256)
-    with pytest.raises(Unsupported, match="Triton has no CPU backend; the engine failed: .+") as e:
+    with pytest.raises(Unsupported, match="Triton has no CPU backend.*the engine failed: .+") as e:
         stack.rollout([Request((1, 2, 3), 2)])
     print(e.value)
 
