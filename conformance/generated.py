@@ -4,10 +4,12 @@ a failure is shrunk to a minimal workload and printed as the `logdiff run` line 
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, given, reject, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
+from hypothesis.errors import Unsatisfiable
 
+from logdiff.api import Unsupported
 from logdiff.workload import Workload
 
 MAX_PROMPT, MAX_BATCH, MAX_NEW_TOKENS = 300, 32, 8  # within the catalogue's 512-position stacks
@@ -36,7 +38,9 @@ def workloads(draw, dtypes=("fp32", "bf16", "fp16")) -> Workload:
 
 def for_each_workload(config, check, strategy=None) -> None:
     """Runs `check(workload)` on `--workload-examples` workloads drawn with `--workload-seed`; on failure
-    hypothesis shrinks to a minimal workload and re-raises its error."""
+    hypothesis shrinks to a minimal workload and re-raises its error. A workload the stack declines
+    (`Unsupported`, e.g. a KV page size its engine lacks) is rejected, not failed; if it declines every
+    one, the test is declined (skipped) with the last reason."""
     __tracebackhide__ = True
     examples = config.getoption("--workload-examples")
     if examples == 0:
@@ -48,6 +52,14 @@ def for_each_workload(config, check, strategy=None) -> None:
               phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink), suppress_health_check=list(HealthCheck))
     @given(strategy if strategy is not None else workloads())
     def run(workload):
-        check(workload)
+        try:
+            check(workload)
+        except Unsupported as e:
+            declined.append(e)
+            reject()
 
-    run()
+    declined: list[Unsupported] = []
+    try:
+        run()
+    except Unsatisfiable:
+        raise declined[-1] from None

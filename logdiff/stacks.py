@@ -93,6 +93,8 @@ def builtin_kernel_sets() -> dict[str, tuple[Callable[[int], KernelSet], str]]:
 
 def builtin_stacks() -> dict[str, StackFactory]:
     from logdiff.baselines.hf import hf_eager_stack, hf_stack
+    from logdiff.baselines.openai import openai_hf_stack, openai_stack
+    from logdiff.baselines.vllm import ascend_stack, vllm_batch_invariant_stack, vllm_hf_stack, vllm_stack
 
     stacks = {}
     for name, (make, doc) in builtin_kernel_sets().items():
@@ -103,7 +105,19 @@ def builtin_stacks() -> dict[str, StackFactory]:
         stacks[name] = factory
     stacks["hf"] = hf_stack
     stacks["hf-eager"] = hf_eager_stack
+    # Rollout engines in another process or a server (logdiff.remote); `all` leaves them out.
+    stacks.update({"vllm": vllm_stack, "vllm+hf": vllm_hf_stack, "vllm-batch-invariant": vllm_batch_invariant_stack,
+                   "ascend": ascend_stack, "openai": openai_stack, "openai+hf": openai_hf_stack})
     return stacks
+
+
+EXTERNAL_STACKS = ("vllm", "vllm+hf", "vllm-batch-invariant", "ascend", "openai", "openai+hf")
+
+
+def unavailable(factory: StackFactory) -> str | None:
+    """Why a stack cannot run on this host (its factory's optional `unavailable()`), or None."""
+    check = getattr(factory, "unavailable", None)
+    return check() if check else None
 
 
 def plugin_stacks() -> dict[str, str]:

@@ -17,6 +17,8 @@ from logdiff.errors import UserError
 from logdiff.model import Qwen3ForCausalLM
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The names transformers and vLLM read in a config.json ("torch_dtype", "dtype"): torch's own.
+TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -52,6 +54,26 @@ class ModelSpec:
         state = _load_checkpoint(Path(self.name), config) if self.is_checkpoint else random_state(config, self.seed)
         load_state(model, state)
         return model.to(dtype).requires_grad_(False)
+
+    def checkpoint_dir(self, dtype: torch.dtype) -> Path:
+        """A transformers checkpoint directory of exactly `build(dtype)`'s weights, for an engine in another
+        process (vLLM loads it). A checkpoint spec is its own directory; a named config is saved once, in
+        `dtype`, under `$LOGDIFF_CACHE` (default ~/.cache/logdiff), keyed by model, seed and dtype."""
+        if self.is_checkpoint:
+            self.config()  # a readable checkpoint, or one line saying why not
+            return Path(self.name).resolve()
+        root = Path(os.environ.get("LOGDIFF_CACHE") or Path.home() / ".cache" / "logdiff") / "checkpoints"
+        path = root / f"{self.name}-seed{self.seed}-{dtype_name(dtype)}"
+        if not (path / "config.json").is_file():
+            tmp = root / f".{path.name}.{os.getpid()}.tmp"
+            save_checkpoint(self.build(dtype), tmp)  # config.json last, so a complete directory has one
+            try:
+                tmp.rename(path)
+            except OSError:  # another process finished first: its directory is identical
+                import shutil
+
+                shutil.rmtree(tmp, ignore_errors=True)
+        return path
 
 
 def random_state(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
@@ -163,4 +185,6 @@ def save_checkpoint(model: Qwen3ForCausalLM, path: str | os.PathLike) -> None:
         elif not (c.tie_word_embeddings and name == "lm_head.weight"):
             state[name] = tensor.contiguous()
     save_file(state, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps({**c.to_hf_dict(), "torch_dtype": dtype_name(model.dtype)}, indent=2))
+    # transformers 5 reads "dtype", older versions and vLLM "torch_dtype"; both take torch's names only.
+    name = TORCH_DTYPE_NAMES[model.dtype]
+    (path / "config.json").write_text(json.dumps({**c.to_hf_dict(), "dtype": name, "torch_dtype": name}, indent=2))

@@ -65,6 +65,9 @@ def _bench_model_case(case, names, model, dtype, repeats, bar, layout: dict) -> 
         try:
             factory = stacks.parallel_factory(name, layout)
             built[name] = factory(workload.spec, workload.torch_dtype, workload.max_model_len)
+            start = getattr(built[name], "start", None)  # an engine in another process starts here, untimed
+            if start:
+                start()
         except Unsupported as e:
             skipped[name] = str(e)
     timings: dict[str, list[Measurement]] = {name: [] for name in built}
@@ -85,6 +88,10 @@ def _bench_model_case(case, names, model, dtype, repeats, bar, layout: dict) -> 
                 bar.set_postfix_str(f"{case.name}: {name} against the fp64 oracle")
                 fidelity[name] = _fidelity(workload, *m.recomputed)
             bar.update(1)
+    for stack in built.values():
+        close = getattr(stack, "close", None)  # stop an engine in another process before the next case
+        if close:
+            close()
     del built  # free the models before the next case builds its own
     return {
         "kind": case.kind, "describe": case.describe(), "batch": case.batch, "prompt_len": case.prompt_len,

@@ -6,7 +6,7 @@ import torch
 
 from logdiff import report, stacks
 from logdiff.bench.run import ALL_CASES, MODEL_CASES, run_bench
-from logdiff.cli.options import add_parallel_args, parallel_layout
+from logdiff.cli.options import add_engine_args, add_parallel_args, apply_engine_args, parallel_layout
 from logdiff.errors import UserError
 from logdiff.stacks import BENCH_STACKS
 
@@ -25,6 +25,7 @@ def add(sub) -> None:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's default, one per core)")
     p.add_argument("--out", metavar="DIR", help="folder for JSON, badge and plot (default results/<machine>/bench)")
     add_parallel_args(p)
+    add_engine_args(p)
     p.set_defaults(func=cmd_bench)
 
 
@@ -51,6 +52,7 @@ def cmd_bench(args) -> int:
         if args.threads < 1:
             raise UserError(f"--threads {args.threads} is not positive; pass 1 or more, or leave it out")
         torch.set_num_threads(args.threads)
+    apply_engine_args(args)
     names = args.stacks or list(BENCH_STACKS)
     for name in names:
         stacks.resolve(name)

