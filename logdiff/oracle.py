@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from logdiff.api import Unsupported
 from logdiff.batch import SeqBatch
+from logdiff.errors import UserError
 from logdiff.kernelset import KernelSet
 from logdiff.trainer import Trainer
 from logdiff.weights import ModelSpec
@@ -135,7 +136,7 @@ class Oracle:
     def __init__(self, spec: ModelSpec, dtype: torch.dtype):
         try:
             model = spec.build(dtype)
-        except Exception as e:  # a checkpoint the model definition cannot read
+        except (UserError, OSError, KeyError, ValueError) as e:  # a checkpoint the model definition cannot read
             raise Unsupported(f"the fp64 oracle cannot load model {spec.name!r} ({e})") from None
         self.dtype = dtype
         self.model = model.to(torch.float64)
@@ -192,7 +193,7 @@ class Fidelity:
             s, p, token, best = self.greedy_mismatch
             return (f"C0 ({self.side}): greedy token at seq {s} pos {p} is {token}, but the fp64 oracle's argmax is {best} "
                     f"with a top-2 margin above {self.bound_max:g}")
-        if self.max_abs_error > self.bound_max or not self.max_abs_error == self.max_abs_error:
+        if self.max_abs_error > self.bound_max:  # NaN errors count as inf (see fidelity)
             s, p = self.worst
             return (f"C0 ({self.side}): |logp - logp_fp64| reaches {self.max_abs_error:.3g} at seq {s} pos {p}, "
                     f"bound {self.bound_max:g}: the stack does not compute the model")

@@ -41,7 +41,7 @@ def fixtures():
 
     def for_stack(stack):
         def builder(instance):
-            cache = caches.setdefault((instance, stack if isinstance(stack, str) else id(stack)), StackCache())
+            cache = caches.setdefault(instance, StackCache())
             return lambda w: cache.get(stack, w.spec, w.torch_dtype, MAX_MODEL_LEN)
 
         return {"stack_for": builder("rollout"), "trainer_for": builder("trainer"), "oracle_for": oracle_for,
@@ -189,13 +189,20 @@ TEMPERATURE_TWICE = _sampling_stack(lambda t: t * t)
 TEMPERATURE_IGNORED = _sampling_stack(lambda t: torch.ones_like(t))
 
 
-@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.5])
-@pytest.mark.parametrize("stack, way", [(TEMPERATURE_TWICE, "likelier"), (TEMPERATURE_IGNORED, "less likely")],
-                         ids=["applied-twice", "not-applied"])
-def test_c0_catches_a_wrong_sampling_temperature(fixtures, stack, way, temperature):
-    if temperature > 1 and stack is TEMPERATURE_TWICE:
-        way = "less likely"  # squaring 1.5 flattens
-    if temperature > 1 and stack is TEMPERATURE_IGNORED:
-        way = "likelier"
+# Sampling sharper than asked (a lower effective temperature) makes the draws likelier under the oracle's
+# tempered distribution; flatter makes them less likely. Squaring 1.5 flattens; ignoring it sharpens.
+WRONG_TEMPERATURES = [
+    (TEMPERATURE_TWICE, 0.3, "likelier"), (TEMPERATURE_TWICE, 0.7, "likelier"), (TEMPERATURE_TWICE, 1.5, "less likely"),
+    (TEMPERATURE_IGNORED, 0.3, "less likely"), (TEMPERATURE_IGNORED, 0.7, "less likely"), (TEMPERATURE_IGNORED, 1.5, "likelier"),
+]
+
+
+def _wrong_temperature_id(case) -> str:
+    stack, temperature, _ = case
+    return f"{'applied-twice' if stack is TEMPERATURE_TWICE else 'not-applied'}-{temperature}"
+
+
+@pytest.mark.parametrize("stack, temperature, way", WRONG_TEMPERATURES, ids=map(_wrong_temperature_id, WRONG_TEMPERATURES))
+def test_c0_catches_a_wrong_sampling_temperature(fixtures, stack, temperature, way):
     message = violation(c0.test_c0_sampling_follows_the_tempered_distribution, fixtures, stack, temperature=temperature)
     assert f"seeded draws are {way} under the fp64 oracle's tempered distribution" in message

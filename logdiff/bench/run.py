@@ -71,7 +71,7 @@ def _bench_model_case(case, names, model, dtype, repeats, bar, layout: dict) -> 
         except Unsupported as e:
             skipped[name] = str(e)
     timings: dict[str, list[Measurement]] = {name: [] for name in built}
-    fidelity = {}
+    fidelity, oracle = {}, None
     for rep in range(repeats + 1):  # repeat 0 warms up
         for name, stack in list(built.items()):
             bar.set_postfix_str(f"{case.name}: {name} {'warm-up' if rep == 0 else f'{rep}/{repeats}'}")
@@ -86,7 +86,8 @@ def _bench_model_case(case, names, model, dtype, repeats, bar, layout: dict) -> 
                 timings[name].append(m)
             elif m.recomputed is not None:
                 bar.set_postfix_str(f"{case.name}: {name} against the fp64 oracle")
-                fidelity[name] = _fidelity(workload, *m.recomputed)
+                oracle = oracle or Oracle(workload.spec, workload.torch_dtype)
+                fidelity[name] = _fidelity(workload, oracle, *m.recomputed)
             bar.update(1)
     for stack in built.values():
         close = getattr(stack, "close", None)  # stop an engine in another process before the next case
@@ -104,9 +105,9 @@ def _bench_model_case(case, names, model, dtype, repeats, bar, layout: dict) -> 
     }
 
 
-def _fidelity(workload, scored, rollout, trainer) -> dict:
+def _fidelity(workload, oracle: Oracle, scored, rollout, trainer) -> dict:
     """max |logp - logp_fp64| of both sides of the warm-up run (untimed): the work timed is the model's."""
-    exact = Oracle(workload.spec, workload.torch_dtype).score(scored.sequences, scored.score_from, scored.temperatures)
+    exact = oracle.score(scored.sequences, scored.score_from, scored.temperatures)
     sides = [fidelity("rollout", rollout, exact, workload.torch_dtype), fidelity("trainer", trainer, exact, workload.torch_dtype)]
     return {f.side: {"max_abs_error": f.max_abs_error, "mean_abs_error": f.mean_abs_error, "holds": f.holds} for f in sides}
 
