@@ -43,15 +43,19 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, keep: bool = False) -> torch.Tensor:
 
 
 def _padded_gemm(x: torch.Tensor, w: torch.Tensor, keep: bool = False) -> torch.Tensor:
-    rows, needed = x.shape[0], min_rows(x.dtype)
+    rows = x.shape[0]
+    out = F.linear(_padded_rows(x), w.to(gemm_dtype(x.dtype)))[:rows]
+    return out if keep else out.to(x.dtype)
+
+
+def _padded_rows(x: torch.Tensor) -> torch.Tensor:
+    """x in the GEMM dtype with zero rows up to `min_rows`: one copy of x, not a pad then an upcast."""
+    rows, needed, compute = x.shape[0], min_rows(x.dtype), gemm_dtype(x.dtype)
     if rows >= needed:
-        return _gemm(x, w, keep)
-    # Zero rows and the conversion to the GEMM dtype in one buffer: one copy of x, not a pad then an upcast.
-    compute = gemm_dtype(x.dtype)
+        return x.to(compute)
     padded = x.new_zeros((needed, x.shape[1]), dtype=compute)
     padded[:rows] = x
-    out = F.linear(padded, w.to(compute))[:rows]
-    return out if keep else out.to(x.dtype)
+    return padded
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -77,8 +81,11 @@ def fixed_order_row_linear(x: torch.Tensor, w: torch.Tensor, comm) -> torch.Tens
     local = REDUCE_CHUNKS // comm.size
     if local * comm.size != REDUCE_CHUNKS or x.shape[-1] % local:
         raise ValueError(f"K {x.shape[-1] * comm.size} does not split into {REDUCE_CHUNKS} chunks over {comm.size} ranks")
-    parts = [_padded_gemm(xc.contiguous(), wc.contiguous(), keep=True).float()
-             for xc, wc in zip(x.chunk(local, -1), w.chunk(local, -1))]
+    # Column slices of the padded x and of w, not copies: a GEMM reads a strided operand as it is.
+    padded, w = _padded_rows(x), w.to(gemm_dtype(x.dtype))
+    width = x.shape[-1] // local
+    parts = [F.linear(padded[:, c * width:(c + 1) * width], w[:, c * width:(c + 1) * width])[: x.shape[0]].float()
+             for c in range(local)]
     partials = comm.all_gather(torch.stack(parts))  # [REDUCE_CHUNKS, N, out], chunk order
     acc = partials[0]
     for part in partials[1:]:

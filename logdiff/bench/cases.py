@@ -6,7 +6,8 @@ through the stack API only, so every stack (built-in or third-party) is timed do
   trainer      forward + backward of the trainer over whole sequences; tokens/s counts every token
   prefill      rollout of one token per request; tokens/s counts prompt tokens
   decode-bB    rollout at batch B: time of an N-token rollout minus the time of a 1-token rollout of
-               the same requests (the prefill), so tokens/s counts the B x (N - 1) decode tokens
+               the same requests (the prefill, the faster of one run before and one after), so tokens/s
+               counts the B x (N - 1) decode tokens
   rl-step      rollout, then the trainer's recompute of the rollout's log-probs; tokens/s counts
                response tokens
 
@@ -94,8 +95,11 @@ def measure(stack: Stack, case: Case, workload: Workload) -> Measurement:
         seconds, outputs = _time_rollout(stack, _with_new_tokens(requests, 1))
         return Measurement(seconds, case.counted_tokens, outputs)
     if case.kind == "decode":
+        # The prefill is timed before and after the full rollout and the faster taken: one slow prefill
+        # (another job, a page fault) would otherwise be subtracted whole and could leave a negative time.
         prefill, _ = _time_rollout(stack, _with_new_tokens(requests, 1))
         full, outputs = _time_rollout(stack, requests)
+        prefill = min(prefill, _time_rollout(stack, _with_new_tokens(requests, 1))[0])
         return Measurement(full - prefill, case.counted_tokens, outputs)
     start = time.perf_counter()
     rollout = stack.rollout(requests)

@@ -35,10 +35,15 @@ def ratios(result: dict) -> list[dict]:
 def targets(result: dict) -> list[dict]:
     rows = []
     for t in TARGETS:
-        tps = result["cases"].get(t.case, {}).get("tokens_per_s", {})
-        if t.numerator in tps and t.denominator in tps:
+        case = result["cases"].get(t.case, {})
+        tps = case.get("tokens_per_s", {})
+        if t.denominator == "bound" and t.numerator in case.get("limit_fraction", {}):
+            s = spread(case["limit_fraction"][t.numerator])
+        elif t.numerator in tps and t.denominator in tps:
             s = paired_ratio(tps[t.numerator], tps[t.denominator])
-            rows.append({"target": t.label, "measured": s, "met": s["median"] >= t.at_least})
+        else:
+            continue
+        rows.append({"target": t.label, "measured": s, "met": s["median"] >= t.at_least})
     return rows
 
 
@@ -150,6 +155,7 @@ def write_outputs(result: dict, out: Path) -> list[Path]:
         checks={c: {"tokens": r.get("token_check", {}), "outputs": r.get("output_check", {}),
                     "fidelity": r.get("fidelity", {})}
                 for c, r in result["cases"].items()},
+        profiles={c: r["profiles"] for c, r in result["cases"].items() if r.get("profiles")},
         limits=limits(result), loadavg=result["loadavg"], wall_seconds=result["wall_seconds"],
         peers={"note": "published by each source on its own hardware; not comparable to this machine",
                "claimed_speedup": list(CLAIMED_SPEEDUP), "claim_source": CLAIM_SOURCE,

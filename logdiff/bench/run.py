@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -19,6 +20,7 @@ from logdiff.api import Unsupported
 from logdiff.bench.cases import CASES, Measurement, measure, token_agreement
 from logdiff.bench.kernel_cases import KERNEL_CASES, measure_kernel
 from logdiff.bench.limits import ModelCosts, case_bound, measure_machine
+from logdiff.bench.profile import profile_case
 from logdiff.oracle import Oracle, fidelity
 from logdiff.stacks import KERNEL_STACKS
 from logdiff.weights import ModelSpec, parse_dtype
@@ -27,9 +29,11 @@ MODEL_CASES = tuple(CASES)
 ALL_CASES = MODEL_CASES + tuple(KERNEL_CASES)
 
 
-def run_bench(names: list[str], cases: list[str], model: str, dtype: str, repeats: int, layout: dict | None = None) -> dict:
+def run_bench(names: list[str], cases: list[str], model: str, dtype: str, repeats: int, layout: dict | None = None,
+              profile_dir: Path | None = None) -> dict:
     """Times every case on every stack; returns the raw measurements, the token checks and the load.
-    `layout`: the stacks sharded over torch.distributed ranks (trainer_tp, rollout_tp, ep), or one process."""
+    `layout`: the stacks sharded over torch.distributed ranks (trainer_tp, rollout_tp, ep), or one process.
+    `profile_dir`: also profile each model case on each stack once, after its timed repeats (bench.profile)."""
     from tqdm import tqdm
 
     started = time.perf_counter()
@@ -41,7 +45,7 @@ def run_bench(names: list[str], cases: list[str], model: str, dtype: str, repeat
     with tqdm(total=runs, desc="logdiff bench", unit="run", file=sys.stderr, dynamic_ncols=True) as bar:
         for case in cases:
             if case in CASES:
-                results[case] = _bench_model_case(CASES[case], names, model, dtype, repeats, bar, layout or {})
+                results[case] = _bench_model_case(CASES[case], names, model, dtype, repeats, bar, layout or {}, profile_dir)
                 results[case]["bound"] = bound = case_bound(CASES[case], costs, machine)
                 if bound:
                     results[case]["limit_fraction"] = {name: [v / bound["bound_tokens_per_s"] for v in tps]
@@ -56,7 +60,7 @@ def run_bench(names: list[str], cases: list[str], model: str, dtype: str, repeat
     }
 
 
-def _bench_model_case(case, names, model, dtype, repeats, bar, layout: dict) -> dict:
+def _bench_model_case(case, names, model, dtype, repeats, bar, layout: dict, profile_dir: Path | None) -> dict:
     workload = case.workload(model, dtype)
     workload.validate()
     built, skipped = {}, {}
@@ -89,6 +93,11 @@ def _bench_model_case(case, names, model, dtype, repeats, bar, layout: dict) -> 
                 oracle = oracle or Oracle(workload.spec, workload.torch_dtype)
                 fidelity[name] = _fidelity(workload, oracle, *m.recomputed)
             bar.update(1)
+    profiles = {}
+    if profile_dir is not None:
+        for name, stack in built.items():
+            bar.set_postfix_str(f"{case.name}: {name} under the profiler")
+            profiles[name] = str(profile_case(stack, name, case, workload, profile_dir))
     for stack in built.values():
         close = getattr(stack, "close", None)  # stop an engine in another process before the next case
         if close:
@@ -102,6 +111,7 @@ def _bench_model_case(case, names, model, dtype, repeats, bar, layout: dict) -> 
         "token_check": _token_check(timings),
         "fidelity": fidelity,
         "skipped": skipped,
+        "profiles": profiles,
     }
 
 

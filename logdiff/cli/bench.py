@@ -23,6 +23,8 @@ def add(sub) -> None:
                         "the default) or 'all'; the kernel cases run at qwen3-30b-a3b shapes whatever --model says")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per stack and case (default 5)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's default, one per core)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile each case on each stack once, untimed (torch.profiler): profile-<case>-<stack>.txt")
     p.add_argument("--out", metavar="DIR", help="folder for JSON, badge and plot (default results/<machine>/bench)")
     add_parallel_args(p)
     add_engine_args(p)
@@ -60,7 +62,8 @@ def cmd_bench(args) -> int:
     ModelSpec(args.model).config()
     out = report.output_dir(args.out or report.results_dir("bench"), "--out")
 
-    result = run_bench(names, cases, args.model, args.dtype, args.repeats, parallel_layout(args))
+    result = run_bench(names, cases, args.model, args.dtype, args.repeats, parallel_layout(args),
+                       profile_dir=out if args.profile else None)
     print_summary(result)
     for path in write_outputs(result, out):
         print(f"wrote {path}")
