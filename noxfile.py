@@ -89,12 +89,13 @@ def verl(session):
 
 @nox.session(python=PYTHON)
 def perf(session):
-    """Eager-mode throughput: `logdiff bench` (interleaved ratios, JSON, badge, plot) for qwen3-moe-small bf16,
-    then the pytest-benchmark files in perf/; writes results/<machine>/bench/."""
+    """Eager-mode throughput: `logdiff bench --profile` (interleaved ratios, JSON, badge, plot, and a
+    torch.profiler summary per stack and case) for qwen3-moe-small bf16, then the pytest-benchmark files in
+    perf/; writes results/<machine>/bench/."""
     install(session, "test")
     out = Path("results") / platform.node() / "bench"
     out.mkdir(parents=True, exist_ok=True)
-    session.run("logdiff", "bench", "--out", str(out))
+    session.run("logdiff", "bench", "--profile", "--out", str(out))
     session.run("pytest", "perf", "--benchmark-json", str(out / "pytest-benchmark.json"), *session.posargs)
 
 
