@@ -77,6 +77,21 @@ class KernelSet:
         degree; S rows, once per engine step); the log-prob of the drawn token stays vocab-parallel."""
         return self.sample(self.tp.all_gather(logits, dim=-1), temperature, seeds, token_index)
 
+    def collectives(self) -> dict[str, str]:
+        """Capture point (logdiff.bisect.capture) -> the collective its op ends in on these ranks; none on
+        one process. `logdiff bisect` names it when that point is the first to differ."""
+        named = {}
+        if self.tp.size > 1:
+            reduction = ("all_gather of fixed K-chunk partial sums, added in chunk order (ordered row-parallel reduction)"
+                         if self.row_linear else "all_reduce (row-parallel reduction)")
+            named.update({"o_proj": f"attention o_proj {reduction}", "mlp": f"mlp down_proj {reduction}"})
+            total = ("all_gather of fixed vocabulary-part sums of exp, added in vocabulary order" if self.vocab_logprobs
+                     else "all_reduce of the sum of exp")
+            named["logprob"] = f"vocab-parallel log-softmax: all_gather of the row max, {total}, target logit from its rank"
+        if self.ep.size > 1:
+            named["experts"] = "experts all_to_all dispatch and return, all_gather of the outputs (expert parallelism)"
+        return named
+
     def expert_parallel(self, x, ids, gate_up, down) -> torch.Tensor:
         """`experts` with the experts sharded over `ep` (gate_up/down hold this rank's E/ep experts)."""
         if self.ep.size == 1:
