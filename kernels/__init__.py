@@ -7,7 +7,7 @@ from functools import partial
 from logdiff.kernels.activation import silu_mul
 from logdiff.kernels.attention import Alignments, rollout_attention, train_attention
 from logdiff.kernels.linear import fixed_order_row_linear, gemm_dtype, linear, plain_linear
-from logdiff.kernels.logsoftmax import token_logprobs
+from logdiff.kernels.logsoftmax import fixed_order_token_logprobs, token_logprobs
 from logdiff.kernels.moe import combine, grouped_experts, route
 from logdiff.kernels.norm import rms_norm
 from logdiff.kernels.rope import rope
@@ -33,7 +33,9 @@ def reference_kernels(align: Alignments = Alignments(), name: str = "reference")
         route=route,
         experts=partial(grouped_experts, invariant=align.order, act=silu_mul),
         combine=combine,
-        token_logprobs=token_logprobs,
+        # The fixed vocabulary order is a change of the one-process sum too, so it is the reduce_order switch.
+        token_logprobs=fixed_order_token_logprobs if align.reduce_order else token_logprobs,
         sample=sample,
         row_linear=fixed_order_row_linear if align.reduce_order else None,
+        vocab_logprobs=fixed_order_token_logprobs if align.reduce_order else None,
     )

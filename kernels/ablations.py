@@ -48,8 +48,10 @@ def reference_no_reduce_order():
     """reference with the reduce-order alignment off: breaks parallel invariance (C8) only, e.g. TP1 vs TP2.
 
     A row-parallel GEMM (o_proj, down_proj) runs whole on one process and as per-rank partial GEMMs
-    summed by the backend's all_reduce on several: the K reduction order follows the degree. On one
-    process it is the plain reference GEMM, so every single-process property still holds.
+    summed by the backend's all_reduce on several: the K reduction order follows the degree. So does the
+    vocab-parallel log-softmax's sum of exp (one chunked sum over the row on one process, each rank's sum
+    all_reduced on several). On one process these are the plain reference GEMM and the chunked
+    log-softmax, so every single-process property still holds.
     """
     return reference_kernels(Alignments(reduce_order=False), name="reference-no-reduce-order")
 

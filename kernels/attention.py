@@ -40,7 +40,9 @@ class Alignments:
     order: bool = True
     blocks: bool = True
     precision: bool = True
-    reduce_order: bool = True  # row-parallel GEMMs reduce in a fixed K-chunk order (linear.fixed_order_row_linear)
+    # Reductions over ranks in an order fixed whatever the degree: row-parallel GEMMs by K chunk
+    # (linear.fixed_order_row_linear), the log-softmax's sum of exp by vocabulary part (logsoftmax.fixed_order_token_logprobs).
+    reduce_order: bool = True
 
 
 # --------------------------------------------------------------------------- the block loop

@@ -4,12 +4,26 @@ Temperature divides the fp32 logits first; temperature 0 (greedy) scores the pla
 as temperature 1 (dividing by 1.0 is exact). The sum over the vocabulary is taken in chunks of VOCAB_CHUNK: torch splits one long
 reduction across threads when few rows share the call (measured: a 151936-wide row sums to other
 bits alone than among 64 rows), while a chunk-sized reduction always runs in one piece.
+
+Vocab-parallel (tensor parallelism, `logdiff.parallel`): each rank holds the logits of its slice of the
+vocabulary. The row max is gathered (a max is exact in any order), each rank sums exp over its slice,
+and the rank that owns the target's vocabulary id hands over its shifted logit (gathered, so copied, not
+added). Only the sum of exp is a reduction whose order can follow the degree:
+`fixed_order_token_logprobs` sums VOCAB_PARTS fixed parts of the vocabulary, one partial sum each, and
+adds the partials in vocabulary order whatever the degree (the reference); `native_vocab_parallel_logprobs`
+adds each rank's sum with the backend's all_reduce (what a stack does without that alignment).
 """
 
 import torch
 import torch.nn.functional as F
 
+from logdiff.comm import SINGLE_PROCESS, Comm
+from logdiff.kernels.linear import REDUCE_CHUNKS
+
 VOCAB_CHUNK = 4096
+# The vocabulary's sum of exp is taken in this many parts whatever the parallel degree: every supported
+# degree divides it, so a rank holds whole parts and computes the very partial sums one process does.
+VOCAB_PARTS = REDUCE_CHUNKS
 
 
 def scoring_temperature(temperature: torch.Tensor) -> torch.Tensor:
@@ -18,7 +32,8 @@ def scoring_temperature(temperature: torch.Tensor) -> torch.Tensor:
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """log p(targets[i] | row i) for logits [N, V] at per-row temperatures [N]; fp32 [N]."""
+    """log p(targets[i] | row i) for logits [N, V] at per-row temperatures [N]; fp32 [N]. One process:
+    the sum of exp over the whole row in VOCAB_CHUNK chunks (the chunk boundaries follow V, not a degree)."""
     x = logits.float() / scoring_temperature(temperature)[:, None]
     shifted = x - x.amax(-1, keepdim=True)
     total = _chunked_sum(torch.exp(shifted))
@@ -28,6 +43,50 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: tor
 def _chunked_sum(x: torch.Tensor) -> torch.Tensor:
     padded = F.pad(x, (0, -x.shape[1] % VOCAB_CHUNK))
     return padded.view(x.shape[0], -1, VOCAB_CHUNK).sum(-1).sum(-1)
+
+
+def fixed_order_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
+                               comm: Comm = SINGLE_PROCESS) -> torch.Tensor:
+    """`token_logprobs` for logits [N, V/size] of this rank's vocabulary slice (targets: vocabulary ids of
+    the whole V), with the sum of exp in an order that does not depend on the degree: a chunked sum per
+    fixed part (VOCAB_PARTS of them over the whole V), the partial sums of all ranks gathered in
+    vocabulary order, then added one after the other. One process computes the very same parts, so TP1,
+    TP2 and TP4 give the same bits."""
+    local = VOCAB_PARTS // comm.size
+    if local * comm.size != VOCAB_PARTS or (comm.size > 1 and logits.shape[-1] % local):
+        raise ValueError(f"vocabulary {logits.shape[-1] * comm.size} does not split into {VOCAB_PARTS} parts "
+                         f"over {comm.size} ranks")
+    shifted = _shifted(logits, temperature, comm)
+    exp = torch.exp(shifted)
+    parts = comm.all_gather(torch.stack([_chunked_sum(part) for part in exp.tensor_split(local, -1)]))
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return _target_logit(shifted, targets, comm) - torch.log(total)
+
+
+def native_vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
+                                   comm: Comm) -> torch.Tensor:
+    """The same quantity with each rank's sum of exp added by the backend's all_reduce: the order of the
+    vocabulary reduction follows the degree."""
+    shifted = _shifted(logits, temperature, comm)
+    total = comm.all_reduce(torch.exp(shifted).sum(-1))
+    return _target_logit(shifted, targets, comm) - torch.log(total)
+
+
+def _shifted(logits: torch.Tensor, temperature: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """fp32 logits / T minus the row max over the whole vocabulary (gathered: exact in any order)."""
+    x = logits.float() / scoring_temperature(temperature)[:, None]
+    top = comm.all_gather(x.amax(-1)[None]).amax(0)
+    return x - top[:, None]
+
+
+def _target_logit(shifted: torch.Tensor, targets: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """shifted[i, targets[i]] from the rank whose vocabulary slice holds targets[i]."""
+    width = shifted.shape[-1]
+    local = (targets - comm.rank * width).clamp(0, width - 1)
+    picked = comm.all_gather(shifted.gather(1, local[:, None]).squeeze(1)[None])  # [size, N]
+    return picked[targets // width, torch.arange(targets.shape[0])]
 
 
 def fused_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:

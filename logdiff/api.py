@@ -81,6 +81,10 @@ class Stack(ABC):
     `capture(name, tensor)` at each capture point it can observe, rows first, in the order just announced
     (`logits`, `logprob`: the `head` rows). Point names and their order are
     `logdiff.bisect.capture.point_names`. With `capture=None` the stack runs exactly as without the hook.
+    A stack that runs a path on several ranks sends each rank a copy of the capture (it pickles), lets
+    each rank fill its copy as above, and hands the copies back in rank order with `capture.add_ranks(copies)`,
+    each marked with `mark_rank(rank, tp, ep, collectives)` (see logdiff.bisect.capture.Recorder and
+    logdiff.parallel); a rank's tensors are what that rank holds (its heads, its vocabulary slice).
     """
 
     name: str = "unnamed"

@@ -31,6 +31,10 @@ class KernelSet:
     tensor-parallel layer and the expert layers (`SINGLE_PROCESS`: one process, every collective the
     identity). A row-parallel GEMM ends in `row_linear(x [N, K/tp], w [out, K/tp], tp) -> [N, out]`;
     None: `linear` on the shard, then the backend's native all_reduce (whose order follows the degree).
+    The lm_head is vocab-parallel and so is the log-softmax: `vocab_logprobs(logits [N, V/tp], targets [N],
+    temperature [N], tp) -> fp32 [N]` scores this rank's vocabulary slice (it runs on one process too, so
+    TP1 computes what TP2 and TP4 do); None: `token_logprobs` on one process, and on several the max
+    gathered and each rank's sum of exp added by the backend's native all_reduce.
     """
 
     name: str
@@ -47,6 +51,7 @@ class KernelSet:
     token_logprobs: Callable
     sample: Callable
     row_linear: Callable | None = None
+    vocab_logprobs: Callable | None = None
     tp: Comm = SINGLE_PROCESS
     ep: Comm = SINGLE_PROCESS
 
@@ -56,9 +61,36 @@ class KernelSet:
             return self.row_linear(x, w, self.tp)
         return self.tp.all_reduce(self.linear(x, w))
 
-    def vocab_parallel_logits(self, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
-        """Logits [N, V] from a vocab-parallel lm_head (rows V/tp per rank): each rank's columns, gathered."""
-        return self.tp.all_gather(self.linear(hidden, lm_head), dim=-1)
+    def vocab_parallel_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+        """`token_logprobs` from the logits [N, V/tp] of this rank's vocabulary slice (targets: ids in the whole V)."""
+        if self.vocab_logprobs is not None:
+            return self.vocab_logprobs(logits, targets, temperature, self.tp)
+        if self.tp.size == 1:
+            return self.token_logprobs(logits, targets, temperature)
+        from logdiff.kernels.logsoftmax import native_vocab_parallel_logprobs
+
+        return native_vocab_parallel_logprobs(logits, targets, temperature, self.tp)
+
+    def vocab_parallel_sample(self, logits: torch.Tensor, temperature, seeds, token_index) -> torch.Tensor:
+        """`sample` from the logits [S, V/tp] of this rank's vocabulary slice. A sampler draws from the whole
+        distribution, so the slices are gathered first (a copy: the same logits bit for bit on every rank and
+        degree; S rows, once per engine step); the log-prob of the drawn token stays vocab-parallel."""
+        return self.sample(self.tp.all_gather(logits, dim=-1), temperature, seeds, token_index)
+
+    def collectives(self) -> dict[str, str]:
+        """Capture point (logdiff.bisect.capture) -> the collective its op ends in on these ranks; none on
+        one process. `logdiff bisect` names it when that point is the first to differ."""
+        named = {}
+        if self.tp.size > 1:
+            reduction = ("all_gather of fixed K-chunk partial sums, added in chunk order (ordered row-parallel reduction)"
+                         if self.row_linear else "all_reduce (row-parallel reduction)")
+            named.update({"o_proj": f"attention o_proj {reduction}", "mlp": f"mlp down_proj {reduction}"})
+            total = ("all_gather of fixed vocabulary-part sums of exp, added in vocabulary order" if self.vocab_logprobs
+                     else "all_reduce of the sum of exp")
+            named["logprob"] = f"vocab-parallel log-softmax: all_gather of the row max, {total}, target logit from its rank"
+        if self.ep.size > 1:
+            named["experts"] = "experts all_to_all dispatch and return, all_gather of the outputs (expert parallelism)"
+        return named
 
     def expert_parallel(self, x, ids, gate_up, down) -> torch.Tensor:
         """`experts` with the experts sharded over `ep` (gate_up/down hold this rank's E/ep experts)."""

@@ -7,8 +7,9 @@ the trainer and the rollout engine is only the `attend` callback (own keys vs pa
 layout of the tokens (`SeqBatch`).
 
 Under tensor parallelism (logdiff.parallel) each rank runs this same code on its shard of the weights:
-q/k/v and gate/up column-parallel, o/down row-parallel (`ops.row_parallel`), lm_head vocab-parallel
-(`ops.vocab_parallel_logits`), experts sharded over the expert-parallel ranks (`ops.expert_parallel`).
+q/k/v and gate/up column-parallel, o/down row-parallel (`ops.row_parallel`), lm_head vocab-parallel (`logits`
+are this rank's vocabulary slice; the callers score them with `ops.vocab_parallel_logprobs`), experts
+sharded over the expert-parallel ranks (`ops.expert_parallel`).
 
 `capture(name, tensor)`, when given, receives the inputs and the output of every named point of the
 forward (`tokens`, `positions`, `embedding`, `layers.3.q_proj`, ..., `final_norm`, `logits`; the list,
@@ -166,7 +167,8 @@ class Qwen3ForCausalLM(nn.Module):
         return out
 
     def logits(self, hidden: torch.Tensor, ops: KernelSet, capture: Capture = None) -> torch.Tensor:
-        out = ops.vocab_parallel_logits(hidden, self.lm_head.weight)
+        """[N, V/tp]: the logits of the vocabulary slice this rank's lm_head rows hold (all of V on one process)."""
+        out = ops.linear(hidden, self.lm_head.weight)
         if capture:
             capture("logits", out)
         return out

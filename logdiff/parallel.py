@@ -3,9 +3,13 @@
 `shard_model` cuts a rank's weights out of the whole model: q/k/v and gate/up by output rows
 (column-parallel: each output column computed whole on one rank), o/down by input columns
 (row-parallel: a partial result per rank, reduced as the kernel set's `row_parallel` says), lm_head by
-vocabulary rows (vocab-parallel; the logits are gathered before the fp32 log-softmax and sampling),
-the experts by expert (expert-parallel, all-to-all dispatch, combine in routing order). Every rank holds
-the whole embedding table, norms and router.
+vocabulary rows (vocab-parallel: each rank scores its vocabulary slice with the vocab-parallel fp32
+log-softmax, `KernelSet.vocab_parallel_logprobs`; only the sampler gathers the logits), the experts by
+expert (expert-parallel, all-to-all dispatch, combine in routing order). Every rank holds the whole
+embedding table, norms and router. `shard_of` says which heads, columns and vocabulary ids a rank holds.
+
+A capture (`logdiff bisect`) goes to every rank of a path; each rank fills its copy, rank 0 gathers them
+and the parent hands them to the capture's `add_ranks`.
 
 `ShardedStack` runs a KernelStack's trainer at one degree and its paged rollout engine at another:
 each path with degree > 1 runs in a `Pool` of worker processes (torch.multiprocessing spawn; gloo on
@@ -18,9 +22,11 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import pickle
 import queue
 import socket
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -61,17 +67,37 @@ def check_degrees(config, tp: int, ep: int) -> int:
     return world
 
 
+@dataclass(frozen=True)
+class Shard:
+    """What a tensor-parallel rank holds of a model (`shard_of`): its query heads, its key/value heads (a
+    head shared by several ranks when there are fewer KV heads than ranks), its part of the MLP's
+    intermediate size and its slice of the vocabulary."""
+
+    q_heads: slice
+    kv_heads: slice
+    intermediate: slice
+    vocab: slice
+
+
+def shard_of(config, rank: int, tp: int) -> Shard:
+    c = config
+    heads = c.num_attention_heads // tp
+    kv_heads = max(c.num_key_value_heads // tp, 1)
+    kv_first = rank * heads // (c.num_attention_heads // c.num_key_value_heads)
+    i, v = c.intermediate_size // tp, c.vocab_size // tp
+    return Shard(slice(rank * heads, (rank + 1) * heads), slice(kv_first, kv_first + kv_heads),
+                 slice(rank * i, (rank + 1) * i), slice(rank * v, (rank + 1) * v))
+
+
 def shard_model(model: Qwen3ForCausalLM, tp_rank: int, tp: int, ep_rank: int, ep: int) -> Qwen3ForCausalLM:
     """This rank's part of `model` (in place): a model whose config counts the local heads and
     intermediate size, so the model code and the paged KV cache run unchanged."""
     c = model.config
     if tp == 1 and ep == 1:
         return model
-    heads, d = c.num_attention_heads // tp, c.head_dim
-    kv_heads = max(c.num_key_value_heads // tp, 1)
-    kv_first = tp_rank * heads // (c.num_attention_heads // c.num_key_value_heads)
-    q_rows = slice(tp_rank * heads * d, (tp_rank + 1) * heads * d)
-    kv_rows = slice(kv_first * d, (kv_first + kv_heads) * d)
+    part, d = shard_of(c, tp_rank, tp), c.head_dim
+    q_rows = slice(part.q_heads.start * d, part.q_heads.stop * d)
+    kv_rows = slice(part.kv_heads.start * d, part.kv_heads.stop * d)
 
     def cut(module, name, rows=None, cols=None):
         w = getattr(module, name)
@@ -86,19 +112,17 @@ def shard_model(model: Qwen3ForCausalLM, tp_rank: int, tp: int, ep_rank: int, ep
         cut(a.v_proj, "weight", rows=kv_rows)
         cut(a.o_proj, "weight", cols=q_rows)
         if isinstance(layer.mlp, MLP):
-            i = c.intermediate_size // tp
-            part = slice(tp_rank * i, (tp_rank + 1) * i)
-            cut(layer.mlp.gate_proj, "weight", rows=part)
-            cut(layer.mlp.up_proj, "weight", rows=part)
-            cut(layer.mlp.down_proj, "weight", cols=part)
+            cut(layer.mlp.gate_proj, "weight", rows=part.intermediate)
+            cut(layer.mlp.up_proj, "weight", rows=part.intermediate)
+            cut(layer.mlp.down_proj, "weight", cols=part.intermediate)
         elif isinstance(layer.mlp, SparseMoe) and ep > 1:
             e = c.num_experts // ep
             experts = slice(ep_rank * e, (ep_rank + 1) * e)
             cut(layer.mlp.experts, "gate_up_proj", rows=experts)
             cut(layer.mlp.experts, "down_proj", rows=experts)
-    v = c.vocab_size // tp
-    cut(model.lm_head, "weight", rows=slice(tp_rank * v, (tp_rank + 1) * v))
-    model.config = c.replace(num_attention_heads=heads, num_key_value_heads=kv_heads,
+    cut(model.lm_head, "weight", rows=part.vocab)
+    model.config = c.replace(num_attention_heads=c.num_attention_heads // tp,
+                             num_key_value_heads=part.kv_heads.stop - part.kv_heads.start,
                              intermediate_size=c.intermediate_size // tp)
     return model
 
@@ -123,7 +147,7 @@ def _worker(rank: int, world: int, port: int, backend: str, inbox, outbox) -> No
         command = inbox.get()
         if command is None:
             break
-        kind, key, args = command
+        kind, key, args, capture = command
         try:
             if key not in built:
                 kernels, model, seed, dtype, max_model_len, tp, ep = key
@@ -134,16 +158,31 @@ def _worker(rank: int, world: int, port: int, backend: str, inbox, outbox) -> No
             ops, trainer, engine_model = built[key]
             if kind == "rollout":
                 requests, o = args
-                result = RolloutEngine(engine_model, ops, o.page_size, o.prefill_chunk, o.shuffle_pages).generate(requests)
+                engine = RolloutEngine(engine_model, ops, o.page_size, o.prefill_chunk, o.shuffle_pages)
+                result = engine.generate(requests, capture)
             elif kind == "trainer":
-                result = trainer.logprobs(*args)
+                result = trainer.logprobs(*args, capture=capture)
             else:
                 result = RolloutEngine(engine_model, ops, *args[3]).prompt_logprobs(*args[:3])
+            if capture is not None:
+                result = (result, _captures_at_rank_0(capture, rank, world, ops))
         except Exception:  # noqa: BLE001 (handed to the parent, which raises it)
             result = RuntimeError(f"rank {rank}: {traceback.format_exc()}")
         if rank == 0 or isinstance(result, Exception):
             outbox.put(result)
     dist.destroy_process_group()
+
+
+def _captures_at_rank_0(capture, rank: int, world: int, ops) -> bytes | None:
+    """Every rank's filled copy of `capture`, in rank order, on rank 0 (gathered over torch.distributed);
+    pickled, so the parent gets them as one message: a torch queue would pass each captured row through a
+    file descriptor of its own (torch's file_descriptor sharing), ~40 points x positions per rank."""
+    import torch.distributed as dist
+
+    capture.mark_rank(rank, ops.tp.size, ops.ep.size, ops.collectives())
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(capture, gathered, dst=0)
+    return pickle.dumps(gathered) if rank == 0 else None
 
 
 class Pool:
@@ -163,9 +202,10 @@ class Pool:
         for p in self.procs:
             p.start()
 
-    def call(self, kind: str, key: tuple, *args):
+    def call(self, kind: str, key: tuple, args: tuple, capture=None):
+        """`capture`: a copy goes to every rank; the answer is then (result, the filled copies pickled)."""
         for box in self.inboxes:
-            box.put((kind, key, args))
+            box.put((kind, key, args, capture))
         waited = 0
         while True:
             try:
@@ -218,7 +258,7 @@ class ShardedStack(Stack):
     rollout engine at `rollout_tp`, both with expert-parallel degree `ep`. A path at degree 1 runs in
     this process, on `base` itself."""
 
-    supports_capture = False
+    supports_capture = True
 
     def __init__(self, base, trainer_tp: int = 1, rollout_tp: int = 1, ep: int = 1):
         self.base = base
@@ -233,20 +273,29 @@ class ShardedStack(Stack):
         self.keys = {path: (base.ops.name, spec.name, spec.seed, dtype, span, self.degrees[path], ep)
                      for path in ("trainer", "rollout")}
 
-    def _call(self, path: str, kind: str, *args):
-        return pool(self.worlds[path], self.backend).call(kind, self.keys[path], *args)
+    def _call(self, path: str, kind: str, *args, capture: Capture = None):
+        if capture is not None and not hasattr(capture, "add_ranks"):
+            raise Unsupported(f"a capture on {self.worlds[path]} ranks is filled on each rank and handed back with "
+                              "add_ranks (logdiff.bisect.capture.Recorder); this capture has no add_ranks")
+        ranks = pool(self.worlds[path], self.backend)
+        if capture is None:
+            return ranks.call(kind, self.keys[path], args)
+        result, filled = ranks.call(kind, self.keys[path], args, capture)
+        capture.add_ranks(pickle.loads(filled))
+        return result
 
     def rollout(self, requests, options=EngineOptions(), capture: Capture = None):
         if self.worlds["rollout"] == 1:
             return self.base.rollout(requests, options, capture)
-        return self._call("rollout", "rollout", list(requests), options)
+        return self._call("rollout", "rollout", list(requests), options, capture=capture)
 
     def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, capture: Capture = None):
         if self.worlds["trainer"] == 1:
             return self.base.trainer_logprobs(sequences, score_from, temperatures, grad, capture)
         if grad:
             raise Unsupported("the sharded trainer runs without autograd (collectives are not differentiated)")
-        return self._call("trainer", "trainer", [list(s) for s in sequences], list(score_from), list(temperatures))
+        return self._call("trainer", "trainer", [list(s) for s in sequences], list(score_from), list(temperatures),
+                          capture=capture)
 
     def prompt_logprobs(self, sequences, score_from, temperatures, options=EngineOptions()):
         if self.worlds["rollout"] == 1:

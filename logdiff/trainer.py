@@ -54,7 +54,7 @@ class Trainer:
 
             hidden = self.model.hidden_states(tokens, seqs, ops, attend, capture)
             logits = self.model.logits(hidden[torch.cat(rows)], ops, capture)
-            logp = ops.token_logprobs(logits, torch.cat(targets), torch.cat(temps))
+            logp = ops.vocab_parallel_logprobs(logits, torch.cat(targets), torch.cat(temps))
         if capture:
             capture("logprob", logp)
         return list(logp.split(counts))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from logdiff.api import TrainerInputs
-from logdiff.bisect.capture import Recorder, captured_inputs, point_names
+from logdiff.bisect.capture import SHARDED_POINTS, Recorder, assemble, captured_inputs, point_names, rank_part
 from logdiff.bisect.locate import diff_rows
 from logdiff.config import NAMED_CONFIGS
 from logdiff.runner import engine_options
@@ -124,3 +124,19 @@ def test_recorder_refuses_rows_it_cannot_place():
     assert rec.rows["embedding"].keys() == {0, 1} and float(rec.rows["logits"][1]) == 7.0
     with pytest.raises(RuntimeError, match="captured twice"):
         rec("embedding", torch.zeros(3, 1))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_rank_part_is_what_the_rank_holds_and_the_parts_make_the_whole(tp):
+    """qwen3-dense-tiny: 4 query heads and 2 KV heads, so at TP4 two ranks share each KV head."""
+    config = NAMED_CONFIGS["qwen3-dense-tiny"]
+    d = config.head_dim
+    rows = {"layers.0.q_proj": torch.arange(4 * d), "layers.0.rope_k": torch.arange(2 * d).view(2, d),
+            "logits": torch.arange(config.vocab_size), "layers.0.o_proj": torch.arange(config.hidden_size)}
+    for name, whole in rows.items():
+        parts = [rank_part(whole, name, config, rank, tp) for rank in range(tp)]
+        assert torch.equal(assemble(parts, name, config, tp), whole), name
+        if name.split(".")[-1] not in SHARDED_POINTS:
+            assert all(p is whole for p in parts)
+    kv = [rank_part(rows["layers.0.rope_k"], "layers.0.rope_k", config, rank, tp) for rank in range(tp)]
+    assert [int(p[0, 0]) // d for p in kv] == ([0, 1] if tp == 2 else [0, 0, 1, 1])

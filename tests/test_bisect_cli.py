@@ -61,6 +61,9 @@ class NoCaptureStack(Stack):
     (["--json", "/no/such/dir/b.json"], "--json folder /no/such/dir does not exist"),
     (["--stack", "baseline"], "bisect examines one stack, got 2"),
     (["--prefill-chunk", "0"], "prefill chunk 0 is not positive"),
+    (["--path", "rollout", "--trainer-tp", "2"], "--path rollout compares the rollout with itself; --trainer-tp does not apply"),
+    (["--path", "trainer"], "give it one, e.g. --trainer-tp 2"),
+    (["--tp", "3"], "cannot run sharded as {'trainer_tp': 3, 'rollout_tp': 3, 'ep': 1} (TP 3 / EP 1: supported TP degrees"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
     assert main(["bisect", *NO_BLOCKS, *args]) == 2

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from logdiff.api import Unsupported
 from logdiff.cli.main import main
 from logdiff.comm import SINGLE_PROCESS
 from logdiff.conformance import test_c03_rollout_trainer as c3
@@ -46,6 +47,14 @@ def test_no_reduce_order_breaks_only_parallel_invariance(cache):
     c3.test_c3_rollout_matches_trainer(stack_for=stack_for(cache, "reference-no-reduce-order"),
                                        trainer_for=stack_for(StackCache(), "reference-no-reduce-order"), bitwise=Bitwise(),
                                        workload="breaks-no-order")
+
+
+def test_a_sharded_path_refuses_a_capture_it_cannot_hand_back(cache):
+    """Each rank fills its own copy of the capture; one without add_ranks could not receive them."""
+    w = Workload(model="qwen3-dense-tiny", batch_size=1, prompt_lens=(3,), max_new_tokens=1)
+    stack = stack_for(cache, "reference")(w).parallel(rollout_tp=2)
+    with pytest.raises(Unsupported, match="this capture has no add_ranks"):
+        stack.rollout(w.requests(), capture=lambda name, tensor: None)
 
 
 def test_fixed_order_row_linear_is_a_k_split_sum_close_to_the_gemm():

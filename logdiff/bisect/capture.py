@@ -11,6 +11,11 @@ The protocol a stack follows (see `logdiff.api.Stack`): before each forward it c
 forward holds, then `capture(name, tensor)` at each point with the rows first: [N, ...] for token
 points, [len(head), ...] for `logits` and `logprob`, which exist only for the rows whose next token is
 scored or sampled. A plain `capture(name, tensor)` callable works too; it just learns no rows.
+
+A stack that runs a path on several ranks (logdiff.parallel) fills one copy of the Recorder per rank and
+hands the copies back with `add_ranks`. A tensor-parallel rank holds only part of some points (its heads
+of q/k/v and attention, its vocabulary slice of the logits: SHARDED_POINTS); `assemble` puts the parts
+back into the whole tensor one process computes, `rank_part` cuts a rank's part out of a whole one.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from collections import defaultdict
 import torch
 
 from logdiff.config import ModelConfig
+from logdiff.parallel import shard_of
 
 LAYER_POINTS = (
     "input_norm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "rope_q", "rope_k", "attention", "o_proj",
@@ -53,6 +59,34 @@ _LAYER_INPUTS = {
     "mlp": [("post_attention_norm", TOKEN)],
     "output": [("residual", TOKEN), ("feed_forward", TOKEN)],  # mlp, or combine in an MoE layer
 }
+
+
+# Points a tensor-parallel rank holds only part of, by the part (a field of logdiff.parallel.Shard); every
+# other point is whole on every rank (the row-parallel layers, the experts and the log-prob end in a collective).
+SHARDED_POINTS = {
+    "q_proj": "q_heads", "q_norm": "q_heads", "rope_q": "q_heads", "attention": "q_heads",
+    "k_proj": "kv_heads", "v_proj": "kv_heads", "k_norm": "kv_heads", "rope_k": "kv_heads", "logits": "vocab",
+}
+_UNITS = {"q_heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "vocab": "vocab_size"}
+
+
+def rank_part(whole: torch.Tensor, name: str, config: ModelConfig, rank: int, tp: int) -> torch.Tensor:
+    """What tensor-parallel rank `rank` of `tp` holds of one row of point `name`, cut out of the whole row."""
+    kind = SHARDED_POINTS.get(split_name(name)[1])
+    if kind is None or tp == 1:
+        return whole
+    units = whole.unflatten(0, (getattr(config, _UNITS[kind]), -1))  # [heads or vocab, ...]
+    return units[getattr(shard_of(config, rank, tp), kind)].flatten(0, 1)
+
+
+def assemble(parts: list[torch.Tensor], name: str, config: ModelConfig, tp: int) -> torch.Tensor:
+    """The whole row of point `name` from the parts of the `tp` tensor-parallel ranks, in rank order (a KV
+    head that several ranks share is taken from the first). Without tensor parallelism every rank's row is whole."""
+    kind = SHARDED_POINTS.get(split_name(name)[1])
+    if kind is None or tp == 1:
+        return parts[0]
+    starts = [getattr(shard_of(config, rank, tp), kind).start for rank in range(tp)]
+    return torch.cat([part for rank, part in enumerate(parts) if starts[rank] not in starts[:rank]])
 
 
 def point_names(num_layers: int) -> list[str]:
@@ -115,6 +149,17 @@ class Recorder:
         self.rows: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
         self._token: tuple[list[int], list[int], int] | None = None  # (kept rows, their positions, all rows)
         self._head: tuple[list[int], list[int], int] | None = None
+        # Set on the copy a rank of a parallel stack fills (mark_rank): its rank, the tensor- and
+        # expert-parallel degrees, and the collective each point's op ends in there (KernelSet.collectives).
+        self.rank, self.tp, self.ep, self.collectives = 0, 1, 1, {}
+        self.ranks: list[Recorder] = []  # the copies every rank filled, in rank order (add_ranks)
+
+    def mark_rank(self, rank: int, tp: int, ep: int, collectives: dict[str, str]) -> None:
+        self.rank, self.tp, self.ep, self.collectives = rank, tp, ep, collectives
+
+    def add_ranks(self, copies: list[Recorder]) -> None:
+        """The stack ran on several ranks: `copies` are the ones each filled, in rank order."""
+        self.ranks = copies
 
     def locate(self, request: torch.Tensor, position: torch.Tensor, head: torch.Tensor | None = None) -> None:
         request, position = torch.as_tensor(request).flatten(), torch.as_tensor(position).flatten()

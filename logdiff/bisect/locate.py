@@ -12,6 +12,11 @@ classed by its inputs:
   positions, routing): the difference came in before this op. bisect then names the op where it
   came in: the first point, in forward order, that differs at any position of the sequence up to the
   token (its inputs are equal there by construction, so that op is the kernel path to fix).
+
+The two sides need not be a rollout and a trainer: `bisect_sides` compares any two (stack, path) pairs,
+e.g. the rollout sharded over two ranks against the rollout on one process (C8). A side that ran on
+several ranks (logdiff.parallel) is compared as one process computes it, its ranks' parts put together;
+a finding then also names the collective the op ends in there and the ranks whose own copy differs.
 """
 
 from __future__ import annotations
@@ -21,22 +26,26 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from logdiff.api import Stack
+from logdiff.api import Stack, TrainerInputs
 from logdiff.bisect.capture import (
     CONTEXT,
     LAYER_POINTS,
     Recorder,
+    assemble,
     captured_inputs,
     point_names,
+    rank_part,
+    split_name,
 )
 from logdiff.config import ModelConfig
 from logdiff.errors import UserError
-from logdiff.metrics import Comparison, Divergence, bits, hex_bits
-from logdiff.runner import StackRun, engine_options, run_stack
+from logdiff.metrics import Comparison, Divergence, bits, compare, hex_bits
+from logdiff.runner import engine_options
 from logdiff.workload import Workload
 
 KERNEL_PATH = "kernel path"
 UPSTREAM = "upstream / framework"
+ROLLOUT, TRAINER = "rollout", "trainer"
 
 
 class NotReproduced(Exception):
@@ -74,13 +83,52 @@ class InputStatus:
 
 @dataclass(frozen=True)
 class Finding:
-    """A capture point that differs at `position`, what its inputs look like there, and the class."""
+    """A capture point that differs at `position`, what its inputs look like there, and the class. When a
+    side ran on several ranks: which (`side`), its ranks whose own copy of the point differs there, the
+    collective the point's op ends in on them (None: the op is each rank's own, e.g. a column-parallel GEMM),
+    and the rank named: the one that ran the expert of the first differing element for expert outputs,
+    else the first whose copy differs."""
 
     point: str
     position: int
     diff: RowDiff
     inputs: list[InputStatus]
     klass: str
+    side: str | None = None
+    ranks: list[int] = field(default_factory=list)
+    world: int = 1
+    collective: str | None = None
+    rank: int | None = None
+    expert: int | None = None
+
+
+@dataclass(frozen=True)
+class Side:
+    """One path (ROLLOUT or TRAINER) of one stack: what bisect runs, replays with capture on and compares."""
+
+    label: str  # how the report names it: "rollout", "trainer TP2", ...
+    stack: Stack
+    path: str
+
+
+class Captured:
+    """One side's replay: the rows of every point as one process computes them (on several ranks: the
+    ranks' parts put together) and each rank's own copy, to tell on which ranks a point differs."""
+
+    def __init__(self, label: str, recorder: Recorder, config: ModelConfig):
+        self.label, self.config = label, config
+        self.copies = recorder.ranks or [recorder]
+        self.tp, self.ep, self.collectives = self.copies[0].tp, self.copies[0].ep, self.copies[0].collectives
+        self.rows: dict[str, dict[int, torch.Tensor]] = {}
+        for name in set.intersection(*(set(c.rows) for c in self.copies)):
+            positions = set.intersection(*(set(c.rows[name]) for c in self.copies))
+            self.rows[name] = {p: assemble([c.rows[name][p] for c in self.copies], name, config, self.tp)
+                               for p in sorted(positions)}
+
+    def differing_ranks(self, name: str, position: int, other: torch.Tensor) -> list[int]:
+        """The ranks whose own copy of `name` at `position` differs from their part of `other` (a whole row)."""
+        return [rank for rank, copy in enumerate(self.copies)
+                if not diff_rows(copy.rows[name][position], rank_part(other, name, self.config, rank, self.tp)).equal]
 
 
 @dataclass
@@ -95,6 +143,7 @@ class Bisection:
     first: Finding | None = None
     origin: Finding | None = None  # where an upstream difference came in
     num_layers: int = 0
+    sides: tuple[str, str] = (ROLLOUT, TRAINER)  # what the values named rollout and trainer come from
 
     @property
     def logprob_abs_diff(self) -> float | None:
@@ -110,6 +159,7 @@ class Bisection:
         points, values = self.grid()
         return {
             "stack": self.stack,
+            "sides": dict(zip((ROLLOUT, TRAINER), self.sides)),
             "comparison": self.comparison.to_dict(),
             "logdiff": self.logdiff,
             "divergence": asdict(self.divergence) if self.divergence else None,
@@ -127,51 +177,68 @@ def _size(diff: RowDiff | None) -> float | None:
 
 
 def bisect(stack: Stack, workload: Workload, progress=lambda message: None) -> Bisection:
-    if not stack.supports_capture:
-        raise UserError(
-            f"stack {stack.name!r} does not implement the capture hook (supports_capture, a capture= keyword on rollout "
-            "and trainer_logprobs, see logdiff.api.Stack); add it to bisect this stack"
-        )
-    progress(f"{stack.name}: rollout + trainer recompute")
-    run = run_stack(stack, workload)
+    """Where `stack`'s rollout engine and trainer part ways on `workload`."""
+    return bisect_sides(Side(ROLLOUT, stack, ROLLOUT), Side(TRAINER, stack, TRAINER), workload, progress)
+
+
+def bisect_sides(a: Side, b: Side, workload: Workload, progress=lambda message: None) -> Bisection:
+    """Where side `a` and side `b` part ways; the result holds a's values as `rollout`, b's as `trainer`.
+    Trainer sides score the sequences of the first rollout side (of b's stack when neither is one)."""
+    for side in (a, b):
+        if not side.stack.supports_capture:
+            raise UserError(
+                f"stack {side.stack.name!r} does not implement the capture hook (supports_capture, a capture= keyword "
+                "on rollout and trainer_logprobs, see logdiff.api.Stack); add it to bisect this stack"
+            )
+    name = a.stack.name
+    progress(f"{name}: {a.label} and {b.label}")
+    source = next((s for s in (a, b) if s.path == ROLLOUT), Side(ROLLOUT, b.stack, ROLLOUT))
+    outputs = source.stack.rollout(workload.requests(), engine_options(workload))
+    scored = TrainerInputs.after(workload.requests(), outputs)
+    ran = [([o.tokens for o in outputs], [o.logprobs for o in outputs]) if s is source else _run(s, workload, scored)
+           for s in (a, b)]
+    comparison = compare(ran[0][1], ran[1][1])
     config = workload.spec.config()
     result = Bisection(
-        stack.name, workload, run.comparison,
-        logdiff=[(o.logprobs.float() - t.detach().float()).abs().tolist() for o, t in zip(run.rollout, run.trainer)],
-        divergence=run.comparison.first_divergence, num_layers=config.num_hidden_layers,
+        name, workload, comparison,
+        logdiff=[(x.float() - y.detach().float()).abs().tolist() for x, y in zip(ran[0][1], ran[1][1])],
+        divergence=comparison.first_divergence, num_layers=config.num_hidden_layers, sides=(a.label, b.label),
     )
     if result.divergence is None:
         return result
     d = result.divergence
-    result.position = run.scored.score_from[d.seq] + d.pos - 1
-    rollout, trainer = _replay(stack, workload, run, d.seq, result.position, progress)
-    names = [n for n in point_names(config.num_hidden_layers) if result.position in rollout.rows.get(n, {})
-             and result.position in trainer.rows.get(n, {})]
-    result.at_token = {n: diff_rows(rollout.rows[n][result.position], trainer.rows[n][result.position]) for n in names}
-    first = next((n for n in names if not result.at_token[n].equal), None)
-    if first is None:
+    result.position = scored.score_from[d.seq] + d.pos - 1
+    first, second = (_replay(side, workload, scored, before, d.seq, result.position, config, progress)
+                     for side, before in zip((a, b), ran))
+    names = [n for n in point_names(config.num_hidden_layers) if result.position in first.rows.get(n, {})
+             and result.position in second.rows.get(n, {})]
+    result.at_token = {n: diff_rows(first.rows[n][result.position], second.rows[n][result.position]) for n in names}
+    point = next((n for n in names if not result.at_token[n].equal), None)
+    if point is None:
         return result
-    result.first = _examine(first, result.position, rollout, trainer, config)
+    result.first = _examine(point, result.position, first, second, config)
     if result.first.klass == UPSTREAM:
-        result.origin = _origin(names, result.position, rollout, trainer, config)
+        result.origin = _origin(names, result.position, first, second, config)
     return result
 
 
-def _replay(stack, workload, run: StackRun, request: int, position: int, progress) -> tuple[Recorder, Recorder]:
-    """Both paths again on the whole workload, keeping the rows of `request` up to `position`."""
-    requests = workload.requests()
-    rollout, trainer = Recorder(request, position), Recorder(request, position)
-    progress(f"{stack.name}: replaying the rollout with capture on (sequence {request}, positions 0..{position})")
-    again = stack.rollout(requests, engine_options(workload), capture=rollout)
-    if [o.tokens for o in again] != [o.tokens for o in run.rollout] or not _same_bits(
-            [o.logprobs for o in again], [o.logprobs for o in run.rollout]):
-        raise NotReproduced(f"the rollout of stack {stack.name!r} gave other tokens or log-probs when replayed")
-    progress(f"{stack.name}: replaying the trainer with capture on")
-    scores = stack.trainer_logprobs(run.scored.sequences, run.scored.score_from, run.scored.temperatures,
-                                    capture=trainer)
-    if not _same_bits(scores, run.trainer):
-        raise NotReproduced(f"the trainer of stack {stack.name!r} gave other log-probs when replayed")
-    return rollout, trainer
+def _run(side: Side, workload: Workload, scored: TrainerInputs, capture: Recorder | None = None):
+    """(tokens per request or None for a trainer, log-probs per request)."""
+    if side.path == ROLLOUT:
+        outputs = side.stack.rollout(workload.requests(), engine_options(workload), capture=capture)
+        return [o.tokens for o in outputs], [o.logprobs for o in outputs]
+    return None, side.stack.trainer_logprobs(scored.sequences, scored.score_from, scored.temperatures, capture=capture)
+
+
+def _replay(side: Side, workload, scored, before, request: int, position: int, config, progress) -> Captured:
+    """`side` again on the whole workload (same batch: split-KV and padding depend on it), keeping the
+    rows of `request` up to `position`; it must give the bits it gave before."""
+    progress(f"{side.stack.name}: replaying the {side.label} with capture on (sequence {request}, positions 0..{position})")
+    recorder = Recorder(request, position)
+    tokens, values = _run(side, workload, scored, recorder)
+    if tokens != before[0] or not _same_bits(values, before[1]):
+        raise NotReproduced(f"the {side.label} of stack {side.stack.name!r} gave other tokens or log-probs when replayed")
+    return Captured(side.label, recorder, config)
 
 
 def _same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -196,14 +263,14 @@ def diff_rows(a: torch.Tensor, b: torch.Tensor) -> RowDiff:
     )
 
 
-def _examine(name: str, position: int, rollout: Recorder, trainer: Recorder, config: ModelConfig) -> Finding:
-    captured = set(rollout.rows) & set(trainer.rows)
+def _examine(name: str, position: int, first: Captured, second: Captured, config: ModelConfig) -> Finding:
+    captured = set(first.rows) & set(second.rows)
     inputs = []
     for source, scope in captured_inputs(name, captured, config):
         lo = 0 if scope == CONTEXT else position
         missing, differing = [], []
         for p in range(lo, position + 1):
-            a, b = rollout.rows[source].get(p), trainer.rows[source].get(p)
+            a, b = first.rows[source].get(p), second.rows[source].get(p)
             if a is None or b is None:
                 missing.append(p)
             elif not diff_rows(a, b).equal:
@@ -211,14 +278,29 @@ def _examine(name: str, position: int, rollout: Recorder, trainer: Recorder, con
         inputs.append(InputStatus(source, scope, (lo, position), differing, missing))
     # A point with no inputs (tokens, positions) is an input of the forward itself: the framework feeds it.
     klass = KERNEL_PATH if inputs and all(i.equal for i in inputs) else UPSTREAM
-    return Finding(name, position, diff_rows(rollout.rows[name][position], trainer.rows[name][position]), inputs, klass)
+    diff = diff_rows(first.rows[name][position], second.rows[name][position])
+    # The ranks named are those of the side that ran on more of them (the first side on a tie).
+    sharded, other = (first, second) if len(first.copies) >= len(second.copies) else (second, first)
+    if len(sharded.copies) == 1:
+        return Finding(name, position, diff, inputs, klass)
+    ranks = sharded.differing_ranks(name, position, other.rows[name][position])
+    layer, point = split_name(name)
+    ids = sharded.rows.get(f"layers.{layer}.topk_ids", {}).get(position)
+    expert = rank = None
+    if point == "experts" and sharded.ep > 1 and ids is not None and diff.index is not None:
+        # Expert outputs [k, H] are gathered onto every rank; the element was computed where its expert lives.
+        expert = int(ids[diff.index // config.hidden_size])
+        rank = expert // (config.num_experts // sharded.ep)
+    return Finding(name, position, diff, inputs, klass, side=sharded.label, ranks=ranks, world=len(sharded.copies),
+                   collective=sharded.collectives.get(point), rank=rank if rank is not None else next(iter(ranks), None),
+                   expert=expert)
 
 
-def _origin(names: list[str], upto: int, rollout: Recorder, trainer: Recorder, config: ModelConfig) -> Finding | None:
+def _origin(names: list[str], upto: int, first: Captured, second: Captured, config: ModelConfig) -> Finding | None:
     """The first point, in forward order, that differs at any position <= `upto`, at its first such position."""
     for name in names:
-        a, b = rollout.rows[name], trainer.rows[name]
+        a, b = first.rows[name], second.rows[name]
         for p in sorted(set(a) & set(b)):
             if not diff_rows(a[p], b[p]).equal:
-                return _examine(name, p, rollout, trainer, config)
+                return _examine(name, p, first, second, config)
     return None

@@ -9,20 +9,23 @@ from logdiff.api import Unsupported
 from logdiff.bisect.capture import split_name
 from logdiff.bisect.locate import (
     KERNEL_PATH,
+    ROLLOUT,
+    TRAINER,
     Bisection,
     Finding,
     NotReproduced,
     RowDiff,
-    bisect,
+    Side,
+    bisect_sides,
 )
-from logdiff.cli.options import add_workload_args, stack_names, workload_from_args
+from logdiff.cli.options import add_parallel_args, add_workload_args, parallel_layout, stack_names, workload_from_args
 from logdiff.errors import UserError
 from logdiff.report import progress
 
 SHOWN_LAYERS = 4  # text table columns; the JSON and the heatmap hold every layer
 
 WHY = {
-    KERNEL_PATH: "its inputs are bitwise equal on both paths and its output is not: the op itself is not aligned",
+    KERNEL_PATH: "its inputs are bitwise equal on both sides and its output is not: the op itself is not aligned",
     "upstream / framework": "its inputs already differ: the difference came in before this op",
 }
 
@@ -31,6 +34,10 @@ def add(sub) -> None:
 
     p = sub.add_parser("bisect", help="find the first op where a stack's trainer and rollout engine differ, and why")
     add_workload_args(p, stacks_default=("baseline",))
+    add_parallel_args(p)
+    p.add_argument("--path", choices=(ROLLOUT, TRAINER),
+                   help="compare this path at its degree (--rollout-tp or --trainer-tp, default --tp; --ep) with itself "
+                        "on one process, as C8 does (default: the rollout against the trainer)")
     p.add_argument("--json", metavar="PATH",
                    help="write the result as JSON here, and beside it PATH-logdiff.png and PATH-first-divergence.png")
     p.set_defaults(func=cmd_bisect)
@@ -48,12 +55,17 @@ def cmd_bisect(args) -> int:
     names = stack_names(args)
     if len(names) != 1:
         raise UserError(f"bisect examines one stack, got {len(names)} ({', '.join(names)}); pass --stack once")
+    layout = parallel_layout(args)
     if args.json:
         report.check_writable(args.json)
-    progress(f"{names[0]}: building")
-    stack = stacks.build(names[0], workload.spec, workload.torch_dtype, workload.max_model_len)
+    progress(f"{names[0]}: building" + (f", parallel {layout}" if layout else ""))
+    one_process = stacks.build(names[0], workload.spec, workload.torch_dtype, workload.max_model_len)
     try:
-        result = bisect(stack, workload, progress)
+        stack = one_process.parallel(**layout) if layout else one_process
+    except Unsupported as e:
+        raise UserError(f"stack {names[0]!r} cannot run sharded as {layout} ({e})") from None
+    try:
+        result = bisect_sides(*_sides(args, layout, one_process, stack), workload, progress)
     except Unsupported as e:
         raise UserError(f"stack {names[0]!r} cannot run this workload ({e}); change the workload options") from None
     except NotReproduced as e:
@@ -65,11 +77,30 @@ def cmd_bisect(args) -> int:
     return 0
 
 
+def _sides(args, layout: dict, one_process, stack) -> tuple[Side, Side]:
+    """The rollout against the trainer at their degrees; with --path, that path at its degree against itself
+    on one process."""
+    def degrees(path: str) -> str:
+        tp, ep = layout.get(f"{path}_tp", 1), layout.get("ep", 1)
+        return f"{path} TP{tp}" + (f" EP{ep}" if ep > 1 else "") if layout else path
+
+    if args.path is None:
+        return Side(degrees(ROLLOUT), stack, ROLLOUT), Side(degrees(TRAINER), stack, TRAINER)
+    unused = TRAINER if args.path == ROLLOUT else ROLLOUT
+    if getattr(args, f"{unused}_tp") is not None:
+        raise UserError(f"--path {args.path} compares the {args.path} with itself; --{unused}-tp does not apply")
+    if layout.get(f"{args.path}_tp", 1) == 1 and layout.get("ep", 1) == 1:
+        raise UserError(f"--path {args.path} compares the {args.path} at a parallel degree with itself on one process; "
+                        f"give it one, e.g. --{args.path}-tp 2")
+    return Side(degrees(args.path), stack, args.path), Side(f"{args.path} TP1", one_process, args.path)
+
+
 def _write(path: str, result: Bisection, stack) -> None:
     from logdiff.bisect.plots import plot_first_divergence, plot_logdiff
 
     logdiff_png, heatmap_png = picture_paths(path)
-    title = f"logdiff bisect {result.stack}\n{result.workload.describe()}"
+    sides = "" if result.sides == (ROLLOUT, TRAINER) else f": the {result.sides[0]} against the {result.sides[1]}"
+    title = f"logdiff bisect {result.stack}{sides}\n{result.workload.describe()}"
     d = result.divergence
     plot_logdiff(logdiff_png, result.logdiff, (d.seq, d.pos) if d else None, title)
     written = [logdiff_png]
@@ -91,29 +122,31 @@ def _write(path: str, result: Bisection, stack) -> None:
 
 def render(b: Bisection) -> str:
     c = b.comparison
+    first, second = b.sides
     lines = [
         f"logdiff bisect {b.stack}: {b.workload.describe()}",
+        *([] if b.sides == (ROLLOUT, TRAINER) else [f"comparing: the {first} against the {second}"]),
         f"run: {c.tokens} tokens, {c.bitwise_equal_tokens} bitwise equal, max |logdiff| {report.fmt_float(c.max_abs_logdiff)}",
     ]
     d = b.divergence
     if d is None:
-        lines.append("rollout and trainer agree bit for bit on every token: nothing to bisect")
+        lines.append(f"{first} and {second} agree bit for bit on every token: nothing to bisect")
         return "\n".join(lines)
     lines += [
         f"first divergence: sequence {d.seq}, response token {d.pos} (scored from the row at position {b.position})",
-        f"  log-prob: rollout {d.rollout!r} ({d.rollout_bits})  trainer {d.trainer!r} ({d.trainer_bits})  "
+        f"  log-prob: {first} {d.rollout!r} ({d.rollout_bits})  {second} {d.trainer!r} ({d.trainer_bits})  "
         f"|d| {report.fmt_float(b.logprob_abs_diff)}",
-        "  replayed with capture on: both paths gave the run's tokens and log-probs bit for bit",
+        "  replayed with capture on: both sides gave the run's tokens and log-probs bit for bit",
         "",
     ]
     if b.first is None:
         lines.append("no capture point differs at this row: the difference comes after the last point the stack captures")
         return "\n".join(lines)
-    lines += _finding("first capture point that differs for this row", b.first, b.logprob_abs_diff)
+    lines += _finding("first capture point that differs for this row", b.first, b.sides, b.logprob_abs_diff)
     if b.origin:
         prompt_len = b.position + 1 - d.pos
         lines += [""] + _finding(f"where it came in (row at position {b.origin.position}, "
-                                 f"{_position_role(b.origin.position, prompt_len)})", b.origin)
+                                 f"{_position_role(b.origin.position, prompt_len)})", b.origin, b.sides)
     lines += [""] + _table(b)
     return "\n".join(lines)
 
@@ -123,20 +156,36 @@ def _position_role(position: int, prompt_len: int) -> str:
     return f"it scores response token {scored}" if scored >= 0 else "a prompt row"
 
 
-def _finding(heading: str, f: Finding, logprob_abs_diff: float | None = None) -> list[str]:
-    lines = [f"{heading}: {f.point}  ->  {f.klass}"]
+def _finding(heading: str, f: Finding, sides: tuple[str, str], logprob_abs_diff: float | None = None) -> list[str]:
+    lines = [f"{heading}: {f.point}  ->  {f.klass}", *_ranks_text(f)]
     if not f.inputs:
         lines.append("  inputs:   none: it is an input of the forward itself, fed by the framework")
     for i, status in enumerate(f.inputs):
         where = "this row" if status.scope == "token" else f"rows {status.positions[0]}..{status.positions[1]}"
         state = "bitwise equal" if status.equal else _positions_text(status)
         lines.append(f"  {'inputs:' if i == 0 else '':9} {status.name} ({where}): {state}")
-    lines += [f"  values:   {_values_text(f.diff)}",
+    lines += [f"  values:   {_values_text(f.diff, sides)}",
               f"  size:     max |diff| {report.fmt_float(f.diff.max_abs_diff)} here ({f.diff.differing} of {f.diff.elements} "
               "elements differ)"]
     if logprob_abs_diff is not None:
         lines.append(f"            |d| {report.fmt_float(logprob_abs_diff)} at the final log-prob")
     return lines + [f"  why:      {WHY[f.klass]}"]
+
+
+def _ranks_text(f: Finding) -> list[str]:
+    """Where the op ran, when a side ran on several ranks: the collective it ends in and the ranks whose copy differs."""
+    if f.side is None:
+        return []
+    lines = []
+    if f.collective:
+        layer = split_name(f.point)[0]
+        where = "" if layer is None else f"layer {layer} "
+        expert = "" if f.expert is None else f" (it runs expert {f.expert}, the first differing element's)"
+        lines.append(f"  collective: {where}{f.collective}, rank {f.rank}{expert}")
+    plural = "s" if len(f.ranks) > 1 else ""
+    alone = "" if f.collective else " (an op each rank runs alone, no collective)"
+    return lines + [f"  ranks:    the {f.side} ran on {f.world} ranks; its own copy of this point differs on "
+                    f"rank{plural} {', '.join(map(str, f.ranks))}{alone}"]
 
 
 def _positions_text(status) -> str:
@@ -157,12 +206,12 @@ def _ranges(values: list[int]) -> str:
     return ", ".join(spans)
 
 
-def _values_text(diff: RowDiff) -> str:
+def _values_text(diff: RowDiff, sides: tuple[str, str]) -> str:
     if diff.shapes:
         return f"shapes differ: {diff.shapes}"
     rollout = f"{diff.rollout!r}" + (f" ({diff.rollout_bits})" if diff.rollout_bits else "")
     trainer = f"{diff.trainer!r}" + (f" ({diff.trainer_bits})" if diff.trainer_bits else "")
-    return f"element {diff.index} of {diff.elements}: rollout {rollout}  trainer {trainer}"
+    return f"element {diff.index} of {diff.elements}: {sides[0]} {rollout}  {sides[1]} {trainer}"
 
 
 def _table(b: Bisection) -> list[str]:

@@ -71,7 +71,7 @@ class RolloutEngine:
             if not targets:
                 continue
             temps = [s.request.temperature for s, rows in zip(part, emitted) for _ in rows]
-            logp = self.ops.token_logprobs(logits, torch.tensor(targets), torch.tensor(temps, dtype=torch.float32))
+            logp = self.ops.vocab_parallel_logprobs(logits, torch.tensor(targets), torch.tensor(temps, dtype=torch.float32))
             for s, piece in zip(part, logp.split([len(rows) for rows in emitted])):
                 scored[s.index].append(piece)
         for s in seqs:
@@ -143,8 +143,8 @@ class RolloutEngine:
         temps = torch.tensor([s.request.temperature for s in seqs], dtype=torch.float32)
         seeds = torch.tensor([s.request.seed for s in seqs], dtype=torch.long)
         index = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.long)
-        tokens = self.ops.sample(logits, temps, seeds, index)
-        logp = self.ops.token_logprobs(logits, tokens, temps)
+        tokens = self.ops.vocab_parallel_sample(logits, temps, seeds, index)
+        logp = self.ops.vocab_parallel_logprobs(logits, tokens, temps)
         if self.capture:
             self.capture("logprob", logp)
         for s, t, lp in zip(seqs, tokens.tolist(), logp):
