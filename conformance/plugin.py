@@ -26,6 +26,7 @@ STACK_INFO = pytest.StashKey[dict]()
 _BUILT = pytest.StashKey[dict]()
 _XFAILS = pytest.StashKey[dict]()
 _WORKLOADS = pytest.StashKey[list]()
+_PARALLEL = pytest.StashKey[tuple]()  # (options for run and bisect, options for bisect only) of a sharded test
 
 
 def pytest_addoption(parser):
@@ -111,10 +112,22 @@ def reproducer(item) -> str:
     bisect` on each workload it ran."""
     stack = item.config.getoption("--stack")
     lines = [f"reproduce: pytest --pyargs logdiff.conformance --stack {stack} -k '{item.name}'"]
+    degrees, bisect_only = item.stash.get(_PARALLEL, ("", ""))
     for w in list(dict.fromkeys(item.stash.get(_WORKLOADS, [])))[-1:]:  # generated tests: the minimal example
-        lines.append(f"reproduce: logdiff run --stack {stack} {w.command_line()}")
-        lines.append(f"locate:    logdiff bisect --stack {stack} {w.command_line()}")
+        lines.append(f"reproduce: logdiff run --stack {stack} {w.command_line()}{degrees}")
+        lines.append(f"locate:    logdiff bisect --stack {stack} {w.command_line()}{degrees}{bisect_only}")
     return "\n".join(lines)
+
+
+@pytest.fixture
+def parallel_options(request):
+    """A sharded test names the degrees its failure reproduces at: `parallel_options("--tp 2", "--path rollout")`
+    adds them to its `logdiff run` / `logdiff bisect` lines (the second only to bisect's)."""
+
+    def record(degrees: str, bisect_only: str = "") -> None:
+        request.node.stash[_PARALLEL] = (f" {degrees}", f" {bisect_only}" if bisect_only else "")
+
+    return record
 
 
 # Fixtures run in setup, tests in call: a stack may decline in either.

@@ -49,14 +49,23 @@ def _name(layout: dict) -> str:
 
 
 CHECKS = ["tp-1-2-4", "ep-1-2", "trainer-tp1-rollout-tp2", "rollout-vs-trainer-tp2"]
+# The degrees a failure of each check shows at first: a path against itself at TP1 / EP1 (--path), or
+# the rollout against the trainer at their degrees.
+REPRODUCE_AT = {
+    "tp-1-2-4": ("--tp 2", "--path rollout"),
+    "ep-1-2": ("--ep 2", "--path rollout"),
+    "trainer-tp1-rollout-tp2": ("--trainer-tp 1 --rollout-tp 2",),
+    "rollout-vs-trainer-tp2": ("--tp 2",),
+}
 CASES = [(check, model) for check in CHECKS for model in MODELS if not (check == "ep-1-2" and model == "dense")]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("check, model", CASES)
-def test_c8_parallel_invariance(stack_for, trainer_for, bitwise, check, model, dtype):
+def test_c8_parallel_invariance(stack_for, trainer_for, bitwise, parallel_options, check, model, dtype):
     w = workload(model, dtype)
     stack = stack_for(w)
+    parallel_options(*REPRODUCE_AT[check])
     if check == "tp-1-2-4":
         assert_degree_invariant(stack, w, bitwise, [dict(trainer_tp=d, rollout_tp=d) for d in (1, 2, 4)])
     elif check == "ep-1-2":
