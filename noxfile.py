@@ -3,6 +3,7 @@ so nothing can pull a CUDA build."""
 
 import platform
 import shutil
+import subprocess
 from pathlib import Path
 
 import nox
@@ -105,7 +106,7 @@ def asv(session):
     publishes the static pages to results/asv/html (needs git and npm). posargs go to `asv run` (-b REGEX)."""
     install(session)
     session.install("asv==0.6.6")
-    commit = session.run("git", "rev-parse", "HEAD", silent=True, external=True).strip()
+    commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
     session.run("asv", "machine", "--yes", "--machine", platform.node())
     session.run("asv", "run", "--python=same", "--machine", platform.node(), "--set-commit-hash", commit,
                 "--show-stderr", *session.posargs)
