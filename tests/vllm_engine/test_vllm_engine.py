@@ -122,6 +122,19 @@ def test_vllm_batch_invariant_is_declined_on_cpu():
     print(e.value)
 
 
+def test_vllm_bf16_rollout_without_the_repository_on_the_path(monkeypatch, tmp_path):
+    """vLLM's bf16 CPU kernels use AMX: its worker died of SIGILL (exit -4) at the first forward unless the
+    repository's kernels/ happened to be importable there and asked Linux for AMX (baselines/vllm_child.py)."""
+    from logdiff.baselines.vllm import vllm_stack
+
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.setenv("LOGDIFF_CACHE", str(tmp_path))
+    with vllm_stack(ModelSpec("qwen3-moe-tiny"), torch.bfloat16, 256) as stack:
+        outputs = stack.rollout([Request((1, 2, 3), 4), Request(tuple(range(140)), 2, temperature=1.0, seed=5)])
+    assert [len(o.tokens) for o in outputs] == [4, 2]
+    assert all(torch.isfinite(o.logprobs).all() and (o.logprobs <= 0).all() for o in outputs)
+
+
 def test_openai_server_dies_mid_run(server):
     """Last: it kills the module's server."""
     run = subprocess.Popen([sys.executable, "-m", "logdiff", "run", "--stack", "openai", "--server-url", server["url"],
