@@ -53,16 +53,17 @@ def for_each_workload(config, check, strategy=None) -> None:
     (`Unsupported`, e.g. a KV page size its engine lacks) is rejected, not failed; if it declines every
     one, the test is declined (skipped) with the last reason.
 
-    `--workload-shrink-seconds S` bounds the shrinking: S seconds after the first failure, only workloads
-    already seen failing run again (hypothesis replays the smallest), every other is rejected. Whether the
+    `--workload-shrink-seconds S` bounds the shrinking: S seconds after the first failure, nothing runs any
+    more; a workload seen failing raises its first error again (hypothesis asks for the smallest several
+    times, through choice sequences that draw the same workload) and every other is rejected. Whether the
     test fails never depends on it, only how small its reproducer is; it matters where an example costs an
-    engine restart (vLLM: 20-30 s for each shrink step whose engine crashed)."""
+    engine restart (vLLM: 20-30 s for each run of a workload that crashes its engine)."""
     __tracebackhide__ = True
     examples = config.getoption("--workload-examples")
     if examples == 0:
         return
     shrink_seconds = config.getoption("--workload-shrink-seconds")
-    failing: set[Workload] = set()
+    failing: dict[Workload, Exception] = {}  # each failing workload's first error
     first_failure: list[float] = []  # time.monotonic() of the first failure, once there is one
 
     @hypothesis_seed(config.getoption("--workload-seed"))
@@ -71,16 +72,18 @@ def for_each_workload(config, check, strategy=None) -> None:
               phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink), suppress_health_check=list(HealthCheck))
     @given(strategy if strategy is not None else workloads())
     def run(workload):
-        if (shrink_seconds is not None and first_failure and workload not in failing
-                and time.monotonic() - first_failure[0] > shrink_seconds):
+        if shrink_seconds is not None and first_failure and time.monotonic() - first_failure[0] > shrink_seconds:
+            if workload in failing:
+                raise failing[workload]  # the same object: hypothesis tells failures apart by where they were raised
             reject()
         try:
             check(workload)
         except Unsupported as e:
             declined.append(e)
             reject()
-        except Exception:
-            failing.add(workload)
+        except Exception as e:
+            e.workloads = [workload]  # what the reproducer lines name (plugin.reproducer)
+            failing.setdefault(workload, e)
             first_failure[:] = first_failure or [time.monotonic()]
             raise
 
@@ -98,6 +101,7 @@ def distinct_failures(group: ExceptionGroup) -> DistinctFailures:
     lines = [f"({i}) {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
              for i, e in enumerate(group.exceptions, 1)]
     failure = DistinctFailures(f"{len(lines)} distinct failures: " + "; ".join(lines))
+    failure.workloads = [w for e in group.exceptions for w in getattr(e, "workloads", [])]
     for i, e in enumerate(group.exceptions, 1):
         for note in getattr(e, "__notes__", []):
             failure.add_note(f"({i}) {note}")

@@ -107,16 +107,17 @@ def _declined_is_skipped(item):
     except Unsupported as e:
         pytest.skip(f"stack {item.config.getoption('--stack')} declines: {e}")
     except Exception as e:  # a violation, or the stack erring (an engine that crashed): either is reproduced the same way
-        e.add_note(reproducer(item))
+        e.add_note(reproducer(item, e))
         raise
 
 
-def reproducer(item) -> str:
+def reproducer(item, error: BaseException) -> str:
     """The command lines that reproduce a failing test: the test itself, and `logdiff run` / `logdiff
-    bisect` on each workload it ran."""
+    bisect` on the workloads that failed (a generated test's error names them: logdiff.conformance.generated),
+    else on the last workload the test ran."""
     stack = item.config.getoption("--stack")
     lines = [f"reproduce: pytest --pyargs logdiff.conformance --stack {stack} -k '{item.name}'"]
-    for w in list(dict.fromkeys(item.stash.get(_WORKLOADS, [])))[-1:]:  # generated tests: the minimal example
+    for w in getattr(error, "workloads", None) or item.stash.get(_WORKLOADS, [])[-1:]:
         lines.append(f"reproduce: logdiff run --stack {stack} {w.command_line()}")
         lines.append(f"locate:    logdiff bisect --stack {stack} {w.command_line()}")
     return "\n".join(lines)

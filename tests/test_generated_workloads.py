@@ -38,13 +38,19 @@ def run(config, fails) -> tuple[list[Workload], BaseException]:
 def test_without_a_budget_a_failure_is_shrunk_to_the_minimal_workload():
     ran, error = run(options(), lambda w: w.batch_size >= 5)
     assert str(error) == "batch 5" and ran[-1].batch_size == 5
+    assert error.workloads == [Workload(batch_size=5)]  # what the reproducer lines name
 
 
-def test_a_zero_budget_runs_no_workload_after_the_first_failure_but_that_one():
+def test_a_zero_budget_runs_nothing_after_the_first_failure():
     ran, error = run(options(shrink_seconds=0), lambda w: w.batch_size >= 5)
-    first = next(i for i, w in enumerate(ran) if w.batch_size >= 5)
-    assert set(ran[first:]) == {ran[first]}  # hypothesis replays it to report it; nothing else runs
-    assert str(error) == f"batch {ran[first].batch_size}"  # still a failure: the verdict does not depend on the budget
+    assert ran[-1].batch_size >= 5 and all(w.batch_size < 5 for w in ran[:-1])  # not even the replays hypothesis asks for
+    assert str(error) == f"batch {ran[-1].batch_size}"  # still a failure: the verdict does not depend on the budget
+    assert error.workloads == [ran[-1]]
+
+
+def test_a_budget_shrinks_until_it_is_spent():
+    ran, error = run(options(shrink_seconds=3600), lambda w: w.batch_size >= 5)
+    assert str(error) == "batch 5" and ran[-1].batch_size == 5
 
 
 def test_distinct_failures_are_named_one_by_one():
@@ -57,4 +63,5 @@ def test_distinct_failures_are_named_one_by_one():
     with pytest.raises(DistinctFailures, match=named) as e:
         for_each_workload(options(), check, BATCHES)
     assert {"ValueError", "RuntimeError"} <= {word.rstrip(":") for word in str(e.value).split()}
+    assert [w.batch_size < 16 for w in e.value.workloads] in ([True, False], [False, True])
     assert sum("Falsifying example" in note or "Failing test case" in note for note in e.value.__notes__) == 2
