@@ -152,12 +152,14 @@ def vllm(session):
 
 def stdout_to(session, path: Path, *args, env) -> None:
     """Runs a command with its stdout (the table; progress lines stay on stderr) written to `path` whole or
-    not at all: into a file beside it, renamed over it once the command succeeded."""
+    not at all: into a file beside it, renamed over it once the command succeeded (not when --install-only
+    skipped it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with tmp.open("w") as stdout:
-            session.run(*args, env=env, stdout=stdout, stderr=None)
-        tmp.replace(path)
+            ran = session.run(*args, env=env, stdout=stdout, stderr=None)
+        if ran:
+            tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -67,7 +67,7 @@ def for_each_workload(config, check, strategy=None) -> None:
     first_failure: list[float] = []  # time.monotonic() of the first failure, once there is one
 
     @hypothesis_seed(config.getoption("--workload-seed"))
-    # No explain phase: the last example run is then the minimal one, which the reproducer lines name.
+    # No explain phase: it would run variations of the minimal workload after shrinking, each another rollout.
     @settings(max_examples=examples, deadline=None, database=None, derandomize=False, print_blob=False,
               phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink), suppress_health_check=list(HealthCheck))
     @given(strategy if strategy is not None else workloads())
