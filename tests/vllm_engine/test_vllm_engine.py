@@ -59,7 +59,7 @@ def server(tmp_path_factory):
     try:
         if not wait_until(lambda: _healthy(url) or proc.poll() is not None, START_TIMEOUT_S) or proc.poll() is not None:
             pytest.fail(f"vLLM server did not come up in {START_TIMEOUT_S} s (exit {proc.poll()}); see {log.name}")
-        yield {"url": url, "proc": proc}
+        yield {"url": url, "proc": proc, "log": log.name}
     finally:
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
@@ -147,7 +147,8 @@ def test_openai_server_dies_mid_run(server):
     if not wait_until(lambda: _running(server["url"]) > 0 or run.poll() is not None, 120, interval_s=0.05) or run.poll():
         run.kill()
         _, stderr = run.communicate()
-        pytest.fail(f"no request reached the server; logdiff run exit {run.returncode}: {stderr[-1500:]}")
+        pytest.fail(f"no request reached the server (server exit {server['proc'].poll()}, its log {server['log']}); "
+                    f"logdiff run exit {run.returncode}: {stderr[-1500:]}")
     os.killpg(server["proc"].pid, signal.SIGKILL)
     stdout, stderr = run.communicate(timeout=300)
     line = _one_error_line(subprocess.CompletedProcess(run.args, run.returncode, stdout, stderr))
