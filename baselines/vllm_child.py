@@ -1,5 +1,5 @@
 """The vLLM side of the `vllm` stack: run by the vLLM environment's python as a script, it imports only
-the standard library and vllm (never logdiff, whose dependencies may differ there).
+the standard library, torch and vllm (never logdiff, whose dependencies may differ there).
 
 Protocol (logdiff.remote.ChildProcess): one JSON line per request on stdin, one per reply on the real
 stdout. fd 1 is duplicated for the replies and then pointed at stderr, so nothing vLLM prints can corrupt
@@ -28,6 +28,23 @@ import time
 # shadow the vllm package.
 _HERE = os.path.dirname(os.path.realpath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _HERE]
+
+
+def allow_amx() -> bool:
+    """Asks Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, through torch); True if granted.
+
+    vLLM's CPU attention runs AMX instructions for bf16 (`cpu_attention_with_kv_cache`, "amx" ISA) after
+    checking CPUID only, and Linux kills a process that uses AMX without asking first: the worker died of
+    SIGILL (exit -4) at its first bf16 forward. oneDNN asks when it first probes bf16, so the engine lived
+    only when something else in the worker had, e.g. the repository's kernels/ (on PYTHONPATH, imported by
+    transformers' probe for Hugging Face's `kernels`). vLLM starts its engine core and worker with spawn,
+    which runs this script's top level again in each of them, so each asks here."""
+    import torch
+
+    return torch.cpu._init_amx()
+
+
+allow_amx()
 
 
 def serve() -> None:

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from logdiff import report
+from logdiff import remote, report
 from logdiff.report import progress
 
 from . import CATALOGUE, property_of
@@ -47,6 +47,7 @@ class TestResult:
     message: str = ""
     compared: list = field(default_factory=list)  # bitwise comparisons: what, values, bitwise_equal, max_abs_diff
     fidelity: list = field(default_factory=list)  # C0: each side's distance from the fp64 oracle, and sampling fits
+    engine_starts: list = field(default_factory=list)  # seconds of each engine process started (logdiff.remote)
 
 
 class Collector:
@@ -58,6 +59,7 @@ class Collector:
         self.header: list[str] = []
         self.stack_info: dict = {}
         self.total = 0
+        self._starts_before = 0
 
     @property
     def results(self) -> list[TestResult]:
@@ -82,6 +84,9 @@ class Collector:
         if isinstance(warning_message.message, pytest.PytestWarning):  # e.g. an xfails line naming no test
             progress(f"warning: {warning_message.message}")
 
+    def pytest_runtest_logstart(self, nodeid, location):
+        self._starts_before = len(remote.START_SECONDS)
+
     def pytest_runtest_logreport(self, report):
         name = report.nodeid.split("::")[-1]
         result = self.by_id.setdefault(report.nodeid, TestResult(name, property_of(name) or "?"))
@@ -93,7 +98,11 @@ class Collector:
             result.outcome, result.message = outcome, ("" if outcome == "pass" else _message(report))
         if report.when == "teardown":
             result.outcome = result.outcome or "pass"
-            progress(f"[{len(self.by_id):>3}/{self.total}] {result.property:<4} {name}: {result.outcome} ({result.seconds:.1f}s)")
+            result.engine_starts = remote.START_SECONDS[self._starts_before:]
+            starts = result.engine_starts
+            started = f", {len(starts)} engine start{'s' * (len(starts) > 1)} {sum(starts):.1f}s" if starts else ""
+            progress(f"[{len(self.by_id):>3}/{self.total}] {result.property:<4} {name}: {result.outcome} "
+                     f"({result.seconds:.1f}s{started})")
 
 
 def _outcome(report) -> str | None:
@@ -114,7 +123,7 @@ def _message(report) -> str:
     crash = getattr(longrepr, "reprcrash", None)
     text = crash.message if crash else str(longrepr or getattr(report, "wasxfail", ""))
     where = "" if report.when == "call" else f"error in {report.when}: "
-    return where + re.sub(r"^[\w.]*(PropertyViolation|AssertionError): ", "", text)
+    return where + re.sub(r"^[\w.]*(PropertyViolation|AssertionError|DistinctFailures): ", "", text)
 
 
 # --------------------------------------------------------------------------- verdicts and files

@@ -45,6 +45,11 @@ def pytest_addoption(parser):
         help=f"generated workloads per property (default {DEFAULT_EXAMPLES}; 0 runs the fixed workloads only)",
     )
     group.addoption(
+        "--workload-shrink-seconds", type=float, default=None, metavar="S",
+        help="shrink a failing generated workload for at most S seconds after the failure (default: hypothesis' "
+             "own limit); the verdict never depends on it, only the reproducer's size",
+    )
+    group.addoption(
         "--xfails-file", metavar="PATH",
         help="known gaps of this stack: one test id per line (file.py::test[params], test[params] or a test "
              "function name; # starts a comment); those tests are reported as xfail",
@@ -102,18 +107,19 @@ def _declined_is_skipped(item):
         return (yield)
     except Unsupported as e:
         pytest.skip(f"stack {item.config.getoption('--stack')} declines: {e}")
-    except AssertionError as e:
-        e.add_note(reproducer(item))
+    except Exception as e:  # a violation, or the stack erring (an engine that crashed): either is reproduced the same way
+        e.add_note(reproducer(item, e))
         raise
 
 
-def reproducer(item) -> str:
+def reproducer(item, error: BaseException) -> str:
     """The command lines that reproduce a failing test: the test itself, and `logdiff run` / `logdiff
-    bisect` on each workload it ran."""
+    bisect` on the workloads that failed (a generated test's error names them: logdiff.conformance.generated),
+    else on the last workload the test ran."""
     stack = item.config.getoption("--stack")
     lines = [f"reproduce: pytest --pyargs logdiff.conformance --stack {stack} -k '{item.name}'"]
     degrees, bisect_only = item.stash.get(_PARALLEL, ("", ""))
-    for w in list(dict.fromkeys(item.stash.get(_WORKLOADS, [])))[-1:]:  # generated tests: the minimal example
+    for w in getattr(error, "workloads", None) or item.stash.get(_WORKLOADS, [])[-1:]:
         lines.append(f"reproduce: logdiff run --stack {stack} {w.command_line()}{degrees}")
         lines.append(f"locate:    logdiff bisect --stack {stack} {w.command_line()}{degrees}{bisect_only}")
     return "\n".join(lines)

@@ -40,6 +40,7 @@ import torch
 
 from logdiff.api import EngineOptions, Request, RolloutOutput, Stack
 from logdiff.errors import UserError
+from logdiff.report import progress
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("LOGDIFF_REMOTE_TIMEOUT", 600))  # one reply, engine start included
 MAX_CHILDREN = int(os.environ.get("LOGDIFF_MAX_CHILDREN", 2))
@@ -76,6 +77,7 @@ def root_cause(log: Path | None, limit: int = 300) -> str:
 
 
 _LIVE: list[ChildProcess] = []  # started children, least recently used first
+START_SECONDS: list[float] = []  # every child start in this process, in order (logdiff check counts them per test)
 
 
 class ChildProcess:
@@ -97,6 +99,7 @@ class ChildProcess:
     def start(self) -> dict:
         """Starts the child (closing the least recently used one beyond `MAX_CHILDREN`) and sends `init`."""
         self.close()
+        started = time.perf_counter()
         while len(_LIVE) >= max(MAX_CHILDREN, 1):
             _LIVE[0].close()
         slug = re.sub(r"[^\w.+-]+", "-", self.what).strip("-")
@@ -114,6 +117,10 @@ class ChildProcess:
         self.starts += 1
         _LIVE.append(self)
         self.init_reply = self._exchange(self.init, "start") if self.init is not None else {}
+        # An engine start costs tens of seconds: each is recorded and a line, so a run's restarts can be counted.
+        START_SECONDS.append(time.perf_counter() - started)
+        again = f", start {self.starts} of this one" if self.starts > 1 else ""
+        progress(f"  started {self.what} in {START_SECONDS[-1]:.1f} s ({len(_LIVE)} running{again})")
         return self.init_reply
 
     def call(self, message: dict, timeout: float | None = None) -> dict:

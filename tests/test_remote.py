@@ -176,6 +176,27 @@ def test_vllm_adapter_through_a_stand_in_child(fake_child, monkeypatch, tmp_path
     assert not any(c.alive for c in stack.children.values())
 
 
+AMX_PERMISSION = """
+import ctypes, runpy, sys
+def granted():  # arch_prctl(ARCH_GET_XCOMP_PERM): bit 18 is the AMX tile data
+    mask = ctypes.c_uint64()
+    ctypes.CDLL(None).syscall(158, 0x1022, ctypes.byref(mask))
+    return bool(mask.value >> 18 & 1)
+before = granted()
+runpy.run_path(sys.argv[1], run_name="__mp_main__")  # what a spawned process does with the parent's main script
+print(before, granted())
+"""
+
+
+@pytest.mark.skipif(not (sys.platform == "linux" and torch.cpu._is_amx_tile_supported()), reason="an x86 Linux CPU with AMX")
+def test_vllm_child_asks_for_amx_in_every_spawned_process():
+    """vLLM's worker (a spawned process) dies of SIGILL at its first bf16 forward unless it asked Linux for
+    AMX first; spawn runs the child script's top level as __mp_main__ in it, and that must ask."""
+    out = subprocess.run([sys.executable, "-c", AMX_PERMISSION, str(vllm_adapter.CHILD)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.split() == ["False", "True"], out.stderr
+
+
 def test_checkpoint_dir_loads_in_transformers(tmp_path, monkeypatch):
     import transformers
 

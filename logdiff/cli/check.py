@@ -32,6 +32,9 @@ def add(sub) -> None:
                    help="seed of the generated workloads beside the fixed ones (default 0)")
     p.add_argument("--workload-examples", type=int, default=None, metavar="N",
                    help="generated workloads per property (default 4; 0: the fixed workloads only)")
+    p.add_argument("--workload-shrink-seconds", type=float, default=None, metavar="S",
+                   help="shrink a failing generated workload for at most S seconds (default: hypothesis' limit, 300 s); "
+                        "for engines whose examples are slow")
     p.add_argument("--out", metavar="DIR", help="results folder (default results/<machine>/<stack>)")
     add_engine_args(p)
     p.set_defaults(func=cmd_check)
@@ -62,6 +65,10 @@ def cmd_check(args) -> int:
     generated = [f"--workload-seed={args.workload_seed}"]
     if args.workload_examples is not None:
         generated.append(f"--workload-examples={args.workload_examples}")
+    if args.workload_shrink_seconds is not None:
+        if args.workload_shrink_seconds < 0:
+            raise UserError(f"--workload-shrink-seconds {args.workload_shrink_seconds:g} is negative; pass 0 or more")
+        generated.append(f"--workload-shrink-seconds={args.workload_shrink_seconds}")
     collector = run_catalogue(args.stack, selected, args.xfails_file, generated)
 
     verdicts = summarise(collector.results, selected, conformance.CATALOGUE)

