@@ -86,8 +86,12 @@ def fixed_order_row_linear(x: torch.Tensor, w: torch.Tensor, comm) -> torch.Tens
     width = x.shape[-1] // local
     parts = [F.linear(padded[:, c * width:(c + 1) * width], w[:, c * width:(c + 1) * width])[: x.shape[0]].float()
              for c in range(local)]
-    partials = comm.all_gather(torch.stack(parts))  # [REDUCE_CHUNKS, N, out], chunk order
+    return sum_in_order(comm.all_gather(torch.stack(parts))).to(x.dtype)  # [REDUCE_CHUNKS, N, out], chunk order
+
+
+def sum_in_order(partials: torch.Tensor) -> torch.Tensor:
+    """partials[0] + partials[1] + ... added one after the other: an order no thread count or degree changes."""
     acc = partials[0]
     for part in partials[1:]:
         acc = acc + part
-    return acc.to(x.dtype)
+    return acc

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from logdiff.comm import SINGLE_PROCESS, Comm
-from logdiff.kernels.linear import REDUCE_CHUNKS
+from logdiff.kernels.linear import REDUCE_CHUNKS, sum_in_order
 
 VOCAB_CHUNK = 4096
 # The vocabulary's sum of exp is taken in this many parts whatever the parallel degree: every supported
@@ -34,8 +34,7 @@ def scoring_temperature(temperature: torch.Tensor) -> torch.Tensor:
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """log p(targets[i] | row i) for logits [N, V] at per-row temperatures [N]; fp32 [N]. One process:
     the sum of exp over the whole row in VOCAB_CHUNK chunks (the chunk boundaries follow V, not a degree)."""
-    x = logits.float() / scoring_temperature(temperature)[:, None]
-    shifted = x - x.amax(-1, keepdim=True)
+    shifted = _shifted(logits, temperature, SINGLE_PROCESS)
     total = _chunked_sum(torch.exp(shifted))
     return shifted.gather(1, targets[:, None]).squeeze(1) - torch.log(total)
 
@@ -58,10 +57,7 @@ def fixed_order_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temp
                          f"over {comm.size} ranks")
     shifted = _shifted(logits, temperature, comm)
     exp = torch.exp(shifted)
-    parts = comm.all_gather(torch.stack([_chunked_sum(part) for part in exp.tensor_split(local, -1)]))
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
+    total = sum_in_order(comm.all_gather(torch.stack([_chunked_sum(part) for part in exp.tensor_split(local, -1)])))
     return _target_logit(shifted, targets, comm) - torch.log(total)
 
 
