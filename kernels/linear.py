@@ -1,10 +1,11 @@
 """Batch-invariant linear layer: a row's result may not depend on how many rows share the GEMM.
 
 MKL picks a different micro-kernel, and so a different reduction order along K, for skinny GEMMs:
-here fp32 `x[:m] @ W` differs from `(x @ W)[:m]` for m in {1, 2, 3, 5, 6, 7, 9, 10, 11}, and on
-AVX2 machines for m <= 3. From MIN_ROWS rows on every row comes out the same whatever M is (checked
-for every GEMM shape of the named configs, M up to 3000, 1 and 2 threads), so skinny calls (decode,
-small experts) are zero-padded up to `min_rows(dtype)` rows. oneDNN's native bf16 GEMM (AVX512-BF16,
+here (AVX-512, AMX) fp32 `x[:m] @ W` differs from `(x @ W)[:m]` for some m below 16 on some shape of
+the named configs, on AVX2 machines for m <= 3; and below 16 rows the bits also follow the weight's
+layout (NN or NT). From MIN_ROWS rows on every row comes out the same whatever M and the layout are
+(checked for every GEMM shape of the named configs, M up to 3000, 1 and 2 threads), so skinny calls
+(decode, small experts) are zero-padded up to `min_rows(dtype)` rows. oneDNN's native bf16 GEMM (AVX512-BF16,
 no AMX) differs only for m = 1 (at K = 2048), in F.linear and in bmm alike, so there 2 rows suffice.
 AMX machines run another, unchecked bf16 kernel, so they keep the checked fp32 path. On a memory-bound
 GEMV the extra rows cost almost nothing: the weights are read once either way; 64 experts padded to 16 rows each do cost compute.

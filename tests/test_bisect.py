@@ -69,8 +69,10 @@ def test_the_reference_has_nothing_to_bisect(stack_cache):
 
 
 def test_baseline_prefill_attention_is_the_fused_sdpa_over_a_different_padding(stack_cache):
+    """The short prompt's first rows differ from layer 0's attention on. Whether its first log-prob already
+    shows it is the CPU's choice: that lm_head GEMM runs on 2 rows, whose bits follow MKL's kernel for them."""
     b = _bisect(stack_cache, "baseline", batch_size=2, prompt_lens=(20, 30), max_new_tokens=4, stagger=0)
-    assert (b.divergence.seq, b.divergence.pos) == (0, 0)
+    assert b.divergence.seq == 0 and b.divergence.pos <= 1
     assert (b.first.point, b.first.klass) == ("layers.0.attention", KERNEL_PATH)
 
 

@@ -165,11 +165,18 @@ def inference_copy(model: Qwen3ForCausalLM, ops: KernelSet) -> Qwen3ForCausalLM:
     gemm = ops.gemm_dtype(model.dtype)
     for name, param in twin.named_parameters():
         if param.ndim >= 2 and name != "model.embed_tokens.weight":  # every matrix but the table is a GEMM weight
-            param.data = param.data.to(gemm)
+            param.data = _k_major(param.data.to(gemm))
     if model.config.tie_word_embeddings and gemm != model.dtype:
-        twin.lm_head.weight = torch.nn.Parameter(twin.model.embed_tokens.weight.to(gemm), requires_grad=False)
+        twin.lm_head.weight = torch.nn.Parameter(_k_major(twin.model.embed_tokens.weight.to(gemm)), requires_grad=False)
     twin.is_inference_copy = True
     return twin
+
+
+def _k_major(w: torch.Tensor) -> torch.Tensor:
+    """w [.., out, in] as the transpose of a contiguous [.., in, out]: the same values and shape, but MKL then
+    runs `x @ w.T` as an NN GEMM, 1.3-2.7x faster than NT for 16-row calls here, with the same bits per row
+    from MIN_ROWS rows on (checked on every GEMM shape of the named configs)."""
+    return w.mT.contiguous().mT
 
 
 @torch.no_grad()
