@@ -150,9 +150,10 @@ def vllm(session):
         base = out / "vllm" / f"run-{dtype}"
         stdout_to(session, base.with_suffix(".txt"), "logdiff", "run", "--dtype", dtype, "--stack", "vllm", "--stack", "vllm+hf",
                   "--stack", "reference", "--stack", "hf", "--json", str(base.with_suffix(".json")), env=env)
-    # decode-b8 only: vLLM is a peer for the rollout; in rl-step both stacks time logdiff's own trainer.
+    # The rollout cases: vLLM is a peer for the rollout; in trainer and rl-step both stacks time logdiff's own trainer.
+    rollout_cases = [arg for case in ("prefill", "decode-b1", "decode-b8", "decode-b32", "decode-b64") for arg in ("--case", case)]
     session.run("logdiff", "bench", "--stack", "reference", "--stack", "vllm", "--model", "qwen3-moe-small", "--dtype", "bf16",
-                "--case", "decode-b8", "--repeats", "3", "--out", str(out / "vllm" / "bench"), env=env)
+                *rollout_cases, "--repeats", "3", "--out", str(out / "vllm" / "bench"), env=env)
 
 
 def stdout_to(session, path: Path, *args, env) -> None:
