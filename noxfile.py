@@ -98,7 +98,8 @@ def perf(session):
     install(session, "test")
     out = Path("results") / platform.node() / "bench"
     out.mkdir(parents=True, exist_ok=True)
-    session.run("logdiff", "bench", "--profile", "--repeats", "3", "--out", str(out))
+    stdout_to(session, out / "bench-qwen3-moe-small-bf16.txt",
+              "logdiff", "bench", "--profile", "--repeats", "3", "--out", str(out))
     select = session.posargs or ["-k", "not qwen3-moe-small-bf16"]
     session.run("pytest", "perf", "--benchmark-json", str(out / "pytest-benchmark.json"), *select)
 
@@ -151,12 +152,13 @@ def vllm(session):
         stdout_to(session, base.with_suffix(".txt"), "logdiff", "run", "--dtype", dtype, "--stack", "vllm", "--stack", "vllm+hf",
                   "--stack", "reference", "--stack", "hf", "--json", str(base.with_suffix(".json")), env=env)
     # The rollout cases: vLLM is a peer for the rollout; in trainer and rl-step both stacks time logdiff's own trainer.
-    rollout_cases = [arg for case in ("prefill", "decode-b1", "decode-b8", "decode-b32", "decode-b64") for arg in ("--case", case)]
+    rollout_cases = [arg for case in ("prefill", "decode-b1", "decode-b8", "decode-b32", "decode-b64")
+                     for arg in ("--case", case)]
     session.run("logdiff", "bench", "--stack", "reference", "--stack", "vllm", "--model", "qwen3-moe-small", "--dtype", "bf16",
                 *rollout_cases, "--repeats", "3", "--out", str(out / "vllm" / "bench"), env=env)
 
 
-def stdout_to(session, path: Path, *args, env) -> None:
+def stdout_to(session, path: Path, *args, env=None) -> None:
     """Runs a command with its stdout (the table; progress lines stay on stderr) written to `path` whole or
     not at all: into a file beside it, renamed over it once the command succeeded (not when --install-only
     skipped it)."""
