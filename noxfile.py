@@ -154,8 +154,9 @@ def vllm(session):
     # The rollout cases: vLLM is a peer for the rollout; in trainer and rl-step both stacks time logdiff's own trainer.
     rollout_cases = [arg for case in ("prefill", "decode-b1", "decode-b8", "decode-b32", "decode-b64")
                      for arg in ("--case", case)]
-    session.run("logdiff", "bench", "--stack", "reference", "--stack", "vllm", "--model", "qwen3-moe-small", "--dtype", "bf16",
-                *rollout_cases, "--repeats", "3", "--out", str(out / "vllm" / "bench"), env=env)
+    stdout_to(session, out / "vllm" / "bench" / "bench-qwen3-moe-small-bf16.txt", "logdiff", "bench", "--stack", "reference",
+              "--stack", "vllm", "--model", "qwen3-moe-small", "--dtype", "bf16", *rollout_cases, "--repeats", "3",
+              "--out", str(out / "vllm" / "bench"), env=env)
 
 
 def stdout_to(session, path: Path, *args, env=None) -> None:

@@ -167,6 +167,10 @@ class VLLMStack(RemoteRollout):
     def start(self) -> None:
         self.call(EngineOptions())
 
+    def settle(self) -> None:
+        for child in self.children.values():
+            child.wait_idle()
+
     def close(self) -> None:
         for child in self.children.values():
             child.close()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -87,6 +88,22 @@ def test_at_most_max_children_run(fake_child, monkeypatch):
     assert [c.alive for c in children] == [False, True, True]
     assert children[0].call({"op": "echo"})  # starts again, closing the least recently used
     assert [c.alive for c in children] == [True, False, True]
+
+
+def test_wait_idle_waits_out_a_child_that_keeps_a_core_busy():
+    """What vLLM's engine does for about 1 s after a request: the bench must not time the next stack meanwhile."""
+    busy = "import time\nend = time.time() + 0.8\nwhile time.time() < end: pass\ntime.sleep(60)"
+    child = ChildProcess([sys.executable, "-c", busy], "a busy child")
+    child.start()
+    try:
+        start = time.monotonic()
+        child.wait_idle()
+        assert child.cpu_seconds() >= 0.6 and time.monotonic() - start >= 0.5
+        start = time.monotonic()
+        child.wait_idle()  # idle now: one window
+        assert time.monotonic() - start < 0.5
+    finally:
+        child.close(grace_s=0)
 
 
 def test_child_that_cannot_start_is_one_line():

@@ -81,6 +81,9 @@ def _bench_model_case(case, names, model, dtype, repeats, bar, layout: dict, pro
             bar.set_postfix_str(f"{case.name}: {name} {'warm-up' if rep == 0 else f'{rep}/{repeats}'}")
             try:
                 m = measure(stack, case, workload)
+                settle = getattr(stack, "settle", None)  # an engine in another process goes idle before the next run
+                if settle:
+                    settle()
             except Unsupported as e:
                 skipped[name] = str(e)
                 del built[name], timings[name]
