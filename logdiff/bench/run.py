@@ -81,9 +81,7 @@ def _bench_model_case(case, names, model, dtype, repeats, bar, layout: dict, pro
             bar.set_postfix_str(f"{case.name}: {name} {'warm-up' if rep == 0 else f'{rep}/{repeats}'}")
             try:
                 m = measure(stack, case, workload)
-                settle = getattr(stack, "settle", None)  # an engine in another process goes idle before the next run
-                if settle:
-                    settle()
+                _settle(stack)
             except Unsupported as e:
                 skipped[name] = str(e)
                 del built[name], timings[name]
@@ -101,6 +99,7 @@ def _bench_model_case(case, names, model, dtype, repeats, bar, layout: dict, pro
         for name, stack in built.items():
             bar.set_postfix_str(f"{case.name}: {name} under the profiler")
             profiles[name] = str(profile_case(stack, name, case, workload, profile_dir))
+            _settle(stack)
     for stack in built.values():
         close = getattr(stack, "close", None)  # stop an engine in another process before the next case
         if close:
@@ -116,6 +115,13 @@ def _bench_model_case(case, names, model, dtype, repeats, bar, layout: dict, pro
         "skipped": skipped,
         "profiles": profiles,
     }
+
+
+def _settle(stack) -> None:
+    """Waits until an engine in another process has gone idle, so the next stack's run has the cores."""
+    settle = getattr(stack, "settle", None)
+    if settle:
+        settle()
 
 
 def _fidelity(workload, oracle: Oracle, scored, rollout, trainer) -> dict:
