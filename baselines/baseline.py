@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from logdiff.kernels import sampling
 from logdiff.kernels.activation import fused_silu_mul
 from logdiff.kernels.attention import Alignments, decode_attention
-from logdiff.kernels.linear import gemm_dtype, plain_linear
+from logdiff.kernels.linear import native_gemm_dtype, plain_linear
 from logdiff.kernels.logsoftmax import fused_token_logprobs
 from logdiff.kernels.moe import grouped_experts
 from logdiff.kernels.norm import rms_norm
@@ -71,11 +71,16 @@ def model_dtype_combine(expert_out, weights):
     return (expert_out * weights.to(expert_out.dtype)[..., None]).sum(1)
 
 
+def _native_weight(w):
+    """The engine's weights in the dtype torch's GEMM runs in, stored as they come."""
+    return w.to(native_gemm_dtype(w.dtype))
+
+
 def baseline_kernels() -> KernelSet:
     """fast unaligned stack: fused SDPA, split-KV decode, GEMV decode, fused ops"""
     return KernelSet(
         name="baseline",
-        gemm_dtype=gemm_dtype,
+        inference_weight=_native_weight,
         linear=plain_linear,
         rms_norm=rms_norm,
         act=fused_silu_mul,
@@ -83,7 +88,7 @@ def baseline_kernels() -> KernelSet:
         train_attention=sdpa_train_attention,
         rollout_attention=baseline_rollout_attention,
         route=fused_route,
-        experts=partial(grouped_experts, invariant=False, act=fused_silu_mul),
+        experts=partial(grouped_experts, linear=plain_linear, act=fused_silu_mul),
         combine=model_dtype_combine,
         token_logprobs=fused_token_logprobs,
         sample=sampling.sample,

@@ -23,7 +23,7 @@ def naive_kernels(max_model_len: int) -> KernelSet:
     ref = reference_kernels()
     return KernelSet(
         name="naive",
-        gemm_dtype=ref.gemm_dtype,
+        inference_weight=ref.inference_weight,
         linear=ref.linear,
         rms_norm=ref.rms_norm,
         act=ref.act,

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from logdiff.batch import SeqBatch
-from logdiff.kernels.linear import MIN_ROWS
+from logdiff.kernels.gemm import matmul
 
 KV_BLOCK = 128  # the Ascend kernels' KV block
 UNALIGNED_ROLLOUT_BLOCK = 64
@@ -79,10 +79,10 @@ def _online_softmax(q, q_pos, k, v, slots, block_ids, block, additive_mask, key_
     acc = torch.zeros_like(q)
     # Rows whose position precedes a block take no part in it: a fully masked block would leave
     # their state bit-for-bit unchanged, so skipping it is exact. Rows stay in position order, so
-    # the rows a block still needs are a suffix; keep at least MIN_ROWS so the GEMMs stay invariant.
+    # the rows a block still needs are a suffix; the GEMMs' bits do not depend on how many there are.
     done_m, done_l, done_acc = [], [], []
     first = 0
-    spare = q.shape[2] - MIN_ROWS  # rows that may be dropped (decode has none: skip the count)
+    spare = q.shape[2] - 1  # rows that may be dropped (decode has none: skip the count)
     for j in block_ids:
         needed = min(int((q_pos < j * block).sum(1).min()), spare) if spare > first else first
         if needed > first:
@@ -91,9 +91,9 @@ def _online_softmax(q, q_pos, k, v, slots, block_ids, block, additive_mask, key_
             m, l, acc = m[..., cut:], l[..., cut:], acc[..., cut:, :]
             first = needed
         block_slots = slots[:, j * block : (j + 1) * block]
-        kb = k[:, block_slots].float()  # [Hkv, S, block, d]
-        vb = v[:, block_slots].float()
-        s = q[:, :, first:] @ kb.transpose(-1, -2)  # [Hkv, S, rows, block]
+        kb = k[:, block_slots]  # [Hkv, S, block, d], the model dtype: the GEMM widens it exactly
+        vb = v[:, block_slots]
+        s = matmul(q[:, :, first:], kb.transpose(-1, -2))  # [Hkv, S, rows, block]
         s = _masked_scores(s, q_pos[:, first:], slice(j * block, (j + 1) * block), key_start, additive_mask)
         m_new = torch.maximum(m, s.amax(-1)).detach()  # a shift, not a function of the scores
         # exp(-inf - m_ref) is exactly 0, so selected-out scores contribute nothing; m_ref keeps
@@ -103,8 +103,8 @@ def _online_softmax(q, q_pos, k, v, slots, block_ids, block, additive_mask, key_
         alpha = torch.exp(m - m_ref)
         l = l * alpha + p.sum(-1)
         if p_dtype is not None:
-            p = p.to(p_dtype).float()
-        acc = acc * alpha[..., None] + p @ vb
+            p = p.to(p_dtype)
+        acc = acc * alpha[..., None] + matmul(p, vb)
         m = m_new
     if done_m:
         m = torch.cat(done_m + [m], dim=-1)
@@ -253,7 +253,7 @@ def _pad_to_blocks(slots, block, fill):
 
 
 def _query_rows(q, index, q_pos, num_kv_heads):
-    """Packed q [N, Hq, d] -> scaled fp32 rows [Hkv, S, T*g (>= MIN_ROWS), d] and their positions [S, rows].
+    """Packed q [N, Hq, d] -> scaled fp32 rows [Hkv, S, T*g, d] and their positions [S, rows].
 
     A sequence's rows run position-major (all query heads of a KV head for position t, then t+1).
     """
@@ -263,12 +263,7 @@ def _query_rows(q, index, q_pos, num_kv_heads):
     padded = F.pad(q, (0, 0, 0, 0, 0, 1))[index]  # [S, T, Hq, d]
     rows = padded.view(num_seqs, width, num_kv_heads, group, head_dim).permute(2, 0, 1, 3, 4)
     rows = rows.reshape(num_kv_heads, num_seqs, width * group, head_dim).float() * head_dim**-0.5
-    row_pos = q_pos.repeat_interleave(group, dim=1)
-    short = MIN_ROWS - rows.shape[2]
-    if short > 0:
-        rows = F.pad(rows, (0, 0, 0, short))
-        row_pos = torch.cat([row_pos, row_pos[:, -1:].expand(num_seqs, short)], dim=1)
-    return rows, row_pos
+    return rows, q_pos.repeat_interleave(group, dim=1)
 
 
 def _decode_rows(q, starts, num_kv_heads):
@@ -276,8 +271,7 @@ def _decode_rows(q, starts, num_kv_heads):
     num_seqs, heads, head_dim = q.shape
     group = heads // num_kv_heads
     rows = q.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).contiguous().float() * head_dim**-0.5
-    width = max(group, MIN_ROWS)
-    return F.pad(rows, (0, 0, 0, width - group)), starts[:, None].expand(num_seqs, width)
+    return rows, starts[:, None].expand(num_seqs, group)
 
 
 def _unpack_decode_rows(out, q):

@@ -1,72 +1,39 @@
-"""Batch-invariant linear layer: a row's result may not depend on how many rows share the GEMM.
+"""The linear layers: logdiff's fixed-order GEMM for the reference, torch's native GEMM for what is unaligned.
 
-MKL picks a different micro-kernel, and so a different reduction order along K, for skinny GEMMs:
-here (AVX-512, AMX) fp32 `x[:m] @ W` differs from `(x @ W)[:m]` for some m below 16 on some shape of
-the named configs, on AVX2 machines for m <= 3; and below 16 rows the bits also follow the weight's
-layout (NN or NT). From MIN_ROWS rows on every row comes out the same whatever M and the layout are
-(checked for every GEMM shape of the named configs, M up to 3000, 1 and 2 threads), so skinny calls
-(decode, small experts) are zero-padded up to `min_rows(dtype)` rows. oneDNN's native bf16 GEMM (AVX512-BF16,
-no AMX) differs only for m = 1 (at K = 2048), in F.linear and in bmm alike, so there 2 rows suffice.
-AMX machines run another, unchecked bf16 kernel, so they keep the checked fp32 path. On a memory-bound
-GEMV the extra rows cost almost nothing: the weights are read once either way; 64 experts padded to 16 rows each do cost compute.
+`linear` is `gemm.linear`: one fp32 accumulator per output element, the products over K in ascending
+order, one rounding to the model dtype; by construction a row's bits do not depend on how many rows share
+the call, on the thread count or on the weight's layout (see gemm.py). Nothing is measured or padded.
 
-Precision: every GEMM accumulates in fp32 and rounds its result once to the input dtype. bf16 runs
-as oneDNN's native bf16 GEMM where the CPU has bf16 dot-product instructions and no AMX (measured on AVX512-BF16:
-~2x an fp32 GEMM, and no upcast copy of x or W); elsewhere, and for fp16 (no native fp16 GEMM on
-x86: ~5x slower than an upcast), as an fp32 GEMM on upcast operands.
+`plain_linear` is what torch does: oneDNN/MKL choose a kernel, and so a reduction order, by shape (GEMV for
+one row, other tiles for a few rows, AMX or AVX512-BF16 blocking that follows M). bf16 runs natively where
+oneDNN has bf16 instructions; fp16 (no fast fp16 GEMM on x86: ~5x slower) and bf16 elsewhere run as an fp32
+GEMM on upcast operands. Rounded once to the model dtype either way.
 """
 
 import torch
-import torch.nn.functional as F
 
-MIN_ROWS = 16
-MIN_ROWS_NATIVE_BF16 = 2
+from logdiff.kernels.gemm import linear
 
-_AMX = torch.cpu._is_amx_tile_supported() if hasattr(torch.cpu, "_is_amx_tile_supported") else True
-NATIVE_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported() and not _AMX
+__all__ = ["linear", "plain_linear", "k_major", "native_gemm_dtype", "fixed_order_row_linear", "sum_in_order"]
 
 
-def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the GEMMs of a model in `dtype` read their weights in."""
-    return dtype if dtype == torch.float32 or (dtype == torch.bfloat16 and NATIVE_BF16) else torch.float32
-
-
-def min_rows(dtype: torch.dtype) -> int:
-    """Rows from which a GEMM of inputs in `dtype` gives every row the same bits whatever M is."""
-    return MIN_ROWS_NATIVE_BF16 if gemm_dtype(dtype) == torch.bfloat16 else MIN_ROWS
-
-
-def _gemm(x: torch.Tensor, w: torch.Tensor, keep: bool = False) -> torch.Tensor:
-    """keep: the result in the GEMM's own dtype (fp32 unless native bf16), not rounded to x's."""
-    compute = gemm_dtype(x.dtype)
-    out = F.linear(x.to(compute), w.to(compute))
-    return out if keep else out.to(x.dtype)
-
-
-def _padded_gemm(x: torch.Tensor, w: torch.Tensor, keep: bool = False) -> torch.Tensor:
-    rows = x.shape[0]
-    out = F.linear(_padded_rows(x), w.to(gemm_dtype(x.dtype)))[:rows]
-    return out if keep else out.to(x.dtype)
-
-
-def _padded_rows(x: torch.Tensor) -> torch.Tensor:
-    """x in the GEMM dtype with zero rows up to `min_rows`: one copy of x, not a pad then an upcast."""
-    rows, needed, compute = x.shape[0], min_rows(x.dtype), gemm_dtype(x.dtype)
-    if rows >= needed:
-        return x.to(compute)
-    padded = x.new_zeros((needed, x.shape[1]), dtype=compute)
-    padded[:rows] = x
-    return padded
-
-
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [N, in] @ w[out, in].T, invariant to N."""
-    return _padded_gemm(x, w)
+def native_gemm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype torch's fastest GEMM for a model in `dtype` runs in on this CPU."""
+    native_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype if dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16) else torch.float32
 
 
 def plain_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The same GEMM without the padding: the reduction order follows N (GEMV for one row)."""
-    return _gemm(x, w)
+    """x [.., N, in] @ w [.., out, in].T through torch's GEMM: the reduction order follows N (GEMV for one row)."""
+    compute = native_gemm_dtype(x.dtype)
+    return torch.matmul(x.to(compute), w.to(compute).mT).to(x.dtype)
+
+
+def k_major(w: torch.Tensor) -> torch.Tensor:
+    """w [.., out, in] as the transpose of a contiguous [.., in, out]: the same values, shape and dtype. The
+    GEMM computes x @ w.T by streaming rows of w.T; in this layout it reads them where they are instead of
+    packing a transposed copy per call (decode-b1, K 2048 x N 6144 bf16: 9.3 GB/s in place, 1.5 packed)."""
+    return w.mT.contiguous().mT
 
 
 # Row-parallel GEMMs (o_proj, down_proj) split K into this many chunks whatever the parallel degree:
@@ -82,11 +49,9 @@ def fixed_order_row_linear(x: torch.Tensor, w: torch.Tensor, comm) -> torch.Tens
     local = REDUCE_CHUNKS // comm.size
     if local * comm.size != REDUCE_CHUNKS or x.shape[-1] % local:
         raise ValueError(f"K {x.shape[-1] * comm.size} does not split into {REDUCE_CHUNKS} chunks over {comm.size} ranks")
-    # Column slices of the padded x and of w, not copies: a GEMM reads a strided operand as it is.
-    padded, w = _padded_rows(x), w.to(gemm_dtype(x.dtype))
     width = x.shape[-1] // local
-    parts = [F.linear(padded[:, c * width:(c + 1) * width], w[:, c * width:(c + 1) * width])[: x.shape[0]].float()
-             for c in range(local)]
+    # Column slices of x and w, not copies: the GEMM reads strided operands as they are.
+    parts = [linear(x[:, c * width:(c + 1) * width], w[:, c * width:(c + 1) * width], torch.float32) for c in range(local)]
     return sum_in_order(comm.all_gather(torch.stack(parts))).to(x.dtype)  # [REDUCE_CHUNKS, N, out], chunk order
 
 

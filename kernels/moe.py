@@ -1,22 +1,22 @@
 """MoE routing and expert combine with an order fixed by the data, not by the batch.
 
 Routing: fp32 softmax over the router logits, top-k by a stable descending sort (ties go to the
-lower expert id), renormalised. Experts: each expert's tokens run through the batch-invariant
-linear. Combine: a token's k expert outputs are summed in routing-rank order, in fp32.
+lower expert id), renormalised. Experts: each expert's tokens run through the kernel set's linear.
+Combine: a token's k expert outputs are summed in routing-rank order, in fp32.
 
 `grouped_experts` is the reference's expert layer: the (token, expert) pairs are laid out once in one
-buffer, expert after expert, each expert's rows padded to `min_rows` (a GEMM of that many rows or more
-gives every row the same bits whatever the row count, see linear.py); then one GEMM per active expert,
-or one batched GEMM over all experts when nearly all have rows (decode), and one activation over the
-whole buffer. `run_experts` is the plain loop over experts, with every op per expert, that a
-straightforward implementation writes (naive's).
+buffer, expert after expert; then one GEMM per active expert, or one batched GEMM over all experts when
+nearly all have rows (decode), and one activation over the whole buffer. With the reference's GEMM a
+row's bits do not depend on how many rows its expert received (nor on the batched or per-expert form),
+so nothing is padded; with torch's GEMM (baseline) they follow the expert's row count. `run_experts` is
+the plain loop over experts, with every op per expert, that a straightforward implementation writes (naive's).
 """
 
 import torch
 import torch.nn.functional as F
 
 from logdiff.kernels.activation import silu_mul
-from logdiff.kernels.linear import gemm_dtype, linear, min_rows
+from logdiff.kernels.linear import linear as fixed_linear
 
 # Batched over all experts when that computes at most this many times the rows of the per-expert GEMMs.
 # Measured on qwen3-moe-small bf16 (reference, tokens/s at 2.0 -> 1.25): prefill 3220 -> 4770, trainer
@@ -41,7 +41,7 @@ def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool):
     return ids, weights
 
 
-def run_experts(x, ids, gate_up, down, linear=linear, act=silu_mul):
+def run_experts(x, ids, gate_up, down, linear=fixed_linear, act=silu_mul):
     """Output of expert ids[t, r] on token t, for every (t, r): [N, k, H] in x's dtype."""
     num_tokens, top_k = ids.shape
     flat = ids.flatten()
@@ -59,49 +59,39 @@ def run_experts(x, ids, gate_up, down, linear=linear, act=silu_mul):
     return out.view(num_tokens, top_k, -1)
 
 
-def grouped_experts(x, ids, gate_up, down, invariant=True, act=silu_mul):
-    """`run_experts` with one buffer for all experts: the same rows per expert GEMM, so the same bits.
-    `invariant=False` drops the padding to `min_rows`: a row's bits then follow its expert's row count."""
+def grouped_experts(x, ids, gate_up, down, linear=fixed_linear, act=silu_mul):
+    """`run_experts` with one buffer for all experts and `linear` (the kernel set's) for every GEMM."""
     num_tokens, top_k = ids.shape
     num_experts = gate_up.shape[0]
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order within an expert
     counts = torch.bincount(flat, minlength=num_experts)
-    rows = torch.where(counts > 0, counts.clamp(min=min_rows(x.dtype) if invariant else 1), 0)
-    sizes = rows.tolist()
+    sizes = counts.tolist()
     capacity = max(sizes)
     # Dense (decode: nearly every expert gets a few rows): one batched GEMM over all experts, each
-    # padded to the largest; otherwise one GEMM per active expert. A row's bits are the same either way
-    # (checked: bmm rows equal F.linear rows from min_rows rows on), so this only chooses the faster.
-    batched = num_experts * capacity <= BATCHED_WASTE * sum(sizes)
-    starts = torch.arange(num_experts) * capacity if batched else torch.cumsum(rows, 0) - rows
+    # padded to the largest; otherwise one GEMM per active expert. Only a matter of speed.
+    batched = num_experts * capacity <= BATCHED_WASTE * num_tokens * top_k
+    starts = torch.arange(num_experts) * capacity if batched else torch.cumsum(counts, 0) - counts
     expert_of = flat[order]
     rank = torch.arange(flat.numel()) - (torch.cumsum(counts, 0) - counts)[expert_of]
     dest = starts[expert_of] + rank  # row of each sorted (token, expert) pair in the buffer
-    total = num_experts * capacity if batched else sum(sizes)
+    total = num_experts * capacity if batched else num_tokens * top_k
     source = torch.full((total,), num_tokens, dtype=torch.long).index_put_((dest,), order // top_k)
-    compute = gemm_dtype(x.dtype)
     # An embedding gather: its backward sums a token's k rows in a fixed order (index backward does not).
-    # Padding rows read the zero row. Without autograd, x is upcast before the gather (the same values,
-    # N rows converted instead of E x capacity); with it, the gather stays in x's dtype so the backward
-    # sums a token's k rows in that dtype, as before.
-    table = F.pad(x if torch.is_grad_enabled() else x.to(compute), (0, 0, 0, 1))
-    buffer = F.embedding(source, table).to(compute)
+    # Padding rows read the zero row.
+    buffer = F.embedding(source, F.pad(x, (0, 0, 0, 1)))
     if batched:
-        h = torch.bmm(buffer.view(num_experts, capacity, -1), gate_up.to(compute).transpose(1, 2))
-        gate, up = h.view(total, -1).to(x.dtype).chunk(2, dim=-1)
-        a = act(gate, up).to(compute).view(num_experts, capacity, -1)
-        out = torch.bmm(a, down.to(compute).transpose(1, 2)).view(total, -1).to(x.dtype)
+        gate, up = linear(buffer.view(num_experts, capacity, -1), gate_up).view(total, -1).chunk(2, dim=-1)
+        out = linear(act(gate, up).view(num_experts, capacity, -1), down).view(total, -1)
     else:
         active = [e for e, n in enumerate(sizes) if n]
         active_sizes = [sizes[e] for e in active]
         gate_up, down = _per_expert(gate_up), _per_expert(down)
         # split(), not slicing: a slice's backward zero-fills a gradient of the whole buffer, once per expert.
         pieces = buffer.split(active_sizes)
-        h = torch.cat([F.linear(piece, gate_up[e].to(compute)) for e, piece in zip(active, pieces)]).to(x.dtype)
-        gate, up = h.chunk(2, dim=-1)
-        pieces = act(gate, up).to(compute).split(active_sizes)
-        out = torch.cat([F.linear(piece, down[e].to(compute)) for e, piece in zip(active, pieces)]).to(x.dtype)
+        gate, up = torch.cat([linear(piece, gate_up[e]) for e, piece in zip(active, pieces)]).chunk(2, dim=-1)
+        pieces = act(gate, up).split(active_sizes)
+        out = torch.cat([linear(piece, down[e]) for e, piece in zip(active, pieces)])
     row_of_pair = torch.empty_like(dest).index_put_((order,), dest)  # pairs back in (token, rank) order
     return F.embedding(row_of_pair, out).view(num_tokens, top_k, -1)
 
@@ -130,8 +120,8 @@ def dispatch_experts(experts, comm, x, ids, gate_up, down):
     rank holding that expert (all-to-all dispatch), runs its experts on the rows it receives (source rank
     after source rank, so in global (token, slot) order), sends the outputs back (all-to-all), and the
     ranks all-gather the [N, k, H] outputs; the caller's `combine` then sums each token's slots in routing
-    order exactly as one process does. A row's bits do not depend on how many rows share its expert's
-    GEMM (grouped_experts pads to min_rows), so EP1 and EP2 agree bit for bit. Inference only."""
+    order exactly as one process does. With the reference's GEMM a row's bits do not depend on how many
+    rows share its expert's GEMM, so EP1 and EP2 agree bit for bit. Inference only."""
     num_tokens, top_k = ids.shape
     per_rank = gate_up.shape[0]
     block = -(-num_tokens // comm.size)

@@ -14,7 +14,7 @@ from logdiff.comm import SINGLE_PROCESS, Comm
 class KernelSet:
     """The model calls nothing else; a stack's kernel set decides every bit of its log-probs.
 
-    gemm_dtype(model dtype) -> the dtype GEMM weights are read in (the engine stores its copy so)
+    inference_weight(w [.., out, in]) -> the rollout engine's stored copy of a GEMM weight (dtype, layout)
     linear(x [N, in], w [out, in]) -> [N, out] in x's dtype
     rms_norm(x, weight, eps)
     act(gate, up) -> silu(gate) * up
@@ -38,7 +38,7 @@ class KernelSet:
     """
 
     name: str
-    gemm_dtype: Callable
+    inference_weight: Callable
     linear: Callable
     rms_norm: Callable
     act: Callable

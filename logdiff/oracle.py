@@ -117,7 +117,7 @@ def _token_logprobs(logits, targets, temperature):
 
 
 ORACLE_KERNELS = KernelSet(
-    name="oracle-fp64", gemm_dtype=lambda dtype: dtype, linear=_linear, rms_norm=_rms_norm, act=_act, rope=_rope,
+    name="oracle-fp64", inference_weight=lambda w: w, linear=_linear, rms_norm=_rms_norm, act=_act, rope=_rope,
     train_attention=_causal_attention, rollout_attention=_no_rollout, route=_route, experts=_experts,
     combine=_combine, token_logprobs=_token_logprobs, sample=_no_rollout,
 )

@@ -200,14 +200,7 @@ class ChildProcess:
         `timeout_s`. vLLM's engine keeps a core busy polling for about 1 s after each request (measured on
         this CPU: 0.99 s of CPU in the first second, 0.01 s in the next); a stack timed right after would
         run on one core instead of two (reference prefill 840 instead of 4090 tokens/s)."""
-        deadline = time.monotonic() + timeout_s
-        used = self.cpu_seconds()
-        while time.monotonic() < deadline:
-            time.sleep(window_s)
-            now = self.cpu_seconds()
-            if now - used < window_s / 10:
-                return
-            used = now
+        wait_for_idle(self.cpu_seconds, window_s, timeout_s)
 
     def close(self, grace_s: float = 30) -> None:
         """Asks the child to exit, waits up to `grace_s`, then kills its process group."""
@@ -312,6 +305,22 @@ class RemoteRollout(Stack):
         info = super().describe()
         info["trainer"] = self.trainer_name
         return info
+
+
+def wait_for_idle(cpu_seconds, window_s: float, timeout_s: float, sleep=time.sleep, clock=time.monotonic) -> int:
+    """Sleeps window after window until `cpu_seconds()` grew by less than a tenth of a window over one, or
+    `timeout_s` passed; returns the number of windows waited."""
+    deadline = clock() + timeout_s
+    used = cpu_seconds()
+    windows = 0
+    while clock() < deadline:
+        sleep(window_s)
+        windows += 1
+        now = cpu_seconds()
+        if now - used < window_s / 10:
+            break
+        used = now
+    return windows
 
 
 def wait_until(check, timeout_s: float, interval_s: float = 0.5) -> bool:

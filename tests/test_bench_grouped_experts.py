@@ -1,6 +1,6 @@
 """The reference's fast MoE path gives the bits of the plain per-expert loop: the grouped buffer (one
-GEMM per expert, or one batched GEMM over all experts) pads each expert to `min_rows`, from which a
-GEMM row does not depend on the row count. This is what lets decode and training take different
+GEMM per expert, or one batched GEMM over all experts, padded to the largest) runs on logdiff's GEMM,
+whose rows do not depend on the row count. This is what lets decode and training take different
 paths and still agree bit for bit."""
 
 import pytest

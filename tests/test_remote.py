@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from logdiff.api import EngineOptions, Request, Unsupported
 from logdiff.baselines import vllm as vllm_adapter
 from logdiff.baselines.openai import OpenAIStack
 from logdiff.errors import UserError
-from logdiff.remote import ChildProcess, RemoteError, RemoteRollout, close_all
+from logdiff.remote import ChildProcess, RemoteError, RemoteRollout, close_all, wait_for_idle
 from logdiff.weights import ModelSpec
 
 FAKE_CHILD = textwrap.dedent("""
@@ -90,18 +89,45 @@ def test_at_most_max_children_run(fake_child, monkeypatch):
     assert [c.alive for c in children] == [True, False, True]
 
 
-def test_wait_idle_waits_out_a_child_that_keeps_a_core_busy():
+class FakeClock:
+    """A clock that advances only when slept on, and a CPU counter read from a script: no timing involved."""
+
+    def __init__(self, cpu_readings):
+        self.now, self.readings = 0.0, list(cpu_readings)
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+    def clock(self):
+        return self.now
+
+    def cpu_seconds(self):
+        return self.readings.pop(0) if len(self.readings) > 1 else self.readings[0]
+
+
+def test_wait_for_idle_waits_while_the_group_burns_cpu_then_returns():
     """What vLLM's engine does for about 1 s after a request: the bench must not time the next stack meanwhile."""
-    busy = "import time\nend = time.time() + 0.8\nwhile time.time() < end: pass\ntime.sleep(60)"
-    child = ChildProcess([sys.executable, "-c", busy], "a busy child")
+    fake = FakeClock([0.0, 0.1, 0.2, 0.3, 0.305])  # busy for three windows of 0.1 s, then idle
+    windows = wait_for_idle(fake.cpu_seconds, 0.1, 10.0, sleep=fake.sleep, clock=fake.clock)
+    assert windows == 4
+
+
+def test_wait_for_idle_returns_after_one_window_when_idle_and_gives_up_at_the_timeout():
+    idle = FakeClock([1.0])
+    assert wait_for_idle(idle.cpu_seconds, 0.1, 10.0, sleep=idle.sleep, clock=idle.clock) == 1
+    busy = FakeClock([i * 0.1 for i in range(1000)])
+    assert wait_for_idle(busy.cpu_seconds, 0.1, 2.0, sleep=busy.sleep, clock=busy.clock) == 20
+
+
+def test_cpu_seconds_counts_the_child_process_group():
+    """A child that did a fixed amount of work shows CPU time > 0 (however loaded the machine) and wait_idle returns."""
+    work = "sum(i * i for i in range(3_000_000))\nprint('done', flush=True)\nimport time; time.sleep(60)"
+    child = ChildProcess([sys.executable, "-c", work], "a busy child")
     child.start()
     try:
-        start = time.monotonic()
-        child.wait_idle()
-        assert child.cpu_seconds() >= 0.6 and time.monotonic() - start >= 0.5
-        start = time.monotonic()
-        child.wait_idle()  # idle now: one window
-        assert time.monotonic() - start < 0.5
+        assert child.proc.stdout.readline().strip() == "done"
+        assert child.cpu_seconds() > 0
+        child.wait_idle(timeout_s=30)
     finally:
         child.close(grace_s=0)
 

@@ -3,8 +3,9 @@
 Measured once per `logdiff bench` run, with torch's current thread count:
   bandwidth   bytes/s of a reduction over a 256 MiB fp32 tensor (streamed from memory, far beyond any
               cache), best of 5
-  GEMM peak   FLOP/s of a 2048 x 2048 x 2048 GEMM in the dtype the model's GEMMs run in (`gemm_dtype`:
-              fp32 where bf16 upcasts), best of 5
+  GEMM peak   FLOP/s of torch's 2048 x 2048 x 2048 GEMM in the dtype it runs natively for the model
+              (`native_gemm_dtype`: bf16 through oneDNN's AMX or AVX512-BF16 kernels where the CPU has
+              them, fp32 where bf16 upcasts), best of 5: the machine's peak, not logdiff's GEMM's
 Bounds, from the model's shapes (`ModelCosts`):
   decode      tokens/s <= batch x bandwidth / bytes one decode step must read: every non-expert matrix,
               the experts the batch's tokens can reach (E x (1 - (1 - k/E)^B), uniform routing) and the
@@ -26,7 +27,7 @@ import torch
 
 from logdiff.bench.cases import Case
 from logdiff.config import ModelConfig
-from logdiff.kernels.linear import gemm_dtype
+from logdiff.kernels.linear import native_gemm_dtype
 
 BANDWIDTH_ELEMENTS = 64 * 2**20  # 256 MiB of fp32
 GEMM_SIZE = 2048
@@ -43,7 +44,7 @@ def measure_machine(model_dtype: torch.dtype) -> dict:
         best = min(best, time.perf_counter() - start)
     bandwidth = x.numel() * x.element_size() / best
     del x
-    compute = gemm_dtype(model_dtype)
+    compute = native_gemm_dtype(model_dtype)
     a = torch.randn(GEMM_SIZE, GEMM_SIZE).to(compute)
     b = torch.randn(GEMM_SIZE, GEMM_SIZE).to(compute)
     a @ b  # warm-up

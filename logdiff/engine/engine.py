@@ -153,31 +153,21 @@ class RolloutEngine:
 
 
 def inference_copy(model: Qwen3ForCausalLM, ops: KernelSet) -> Qwen3ForCausalLM:
-    """The model with its GEMM weights stored in the dtype the kernel set's GEMMs read (`ops.gemm_dtype`).
-
-    Every kernel set rounds a GEMM's result to the model dtype, so an fp32 copy of an fp16 weight gives
-    the same bits while sparing the upcast on every decode step; bf16 weights stay bf16 where the GEMM
-    is native. A model that already is an inference copy is returned as it is: engines share it.
+    """The model with its GEMM weights stored as the kernel set's GEMMs read them (`ops.inference_weight`:
+    a dtype and a layout, the same values). A model that already is an inference copy is returned as it
+    is: engines share it.
     """
     if getattr(model, "is_inference_copy", False):
         return model
     twin = copy.deepcopy(model)
-    gemm = ops.gemm_dtype(model.dtype)
     for name, param in twin.named_parameters():
         if param.ndim >= 2 and name != "model.embed_tokens.weight":  # every matrix but the table is a GEMM weight
-            param.data = _k_major(param.data.to(gemm))
-    if model.config.tie_word_embeddings and gemm != model.dtype:
-        twin.lm_head.weight = torch.nn.Parameter(_k_major(twin.model.embed_tokens.weight.to(gemm)), requires_grad=False)
+            param.data = ops.inference_weight(param.data)
+    if model.config.tie_word_embeddings:  # the lm_head reads the table as a GEMM weight: its own copy
+        twin.lm_head.weight = torch.nn.Parameter(ops.inference_weight(twin.model.embed_tokens.weight.data),
+                                                 requires_grad=False)
     twin.is_inference_copy = True
     return twin
-
-
-def _k_major(w: torch.Tensor) -> torch.Tensor:
-    """w [.., out, in] as the transpose of a contiguous [.., in, out]: the same values and shape, but MKL then
-    runs `x @ w.T` as an NN GEMM, 1.5-2.7x faster than NT for 16-row calls here with the weights in cache
-    (measured, 2 threads; no faster once they come from memory), with the same bits per row from MIN_ROWS
-    rows on (checked on every GEMM shape of the named configs)."""
-    return w.mT.contiguous().mT
 
 
 @torch.no_grad()
