@@ -1,0 +1,161 @@
+"""logdiff's GEMM: one reduction order by construction, checked as properties over shapes nobody tuned for.
+
+Row i of an M-row call equals the 1-row call bit for bit, per tier, for M 1..4096, at the GEMM shapes of
+every published Qwen3 model, with 1 and 2 threads and both weight layouts; the tiers agree with each other;
+the result is the fp32 GEMM (near fp64); a machine without a compiler gets one line.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from logdiff.kernels import gemm
+from logdiff.kernels.linear import linear
+
+# (K, N) of every GEMM of the published Qwen3 models: q/k/v/o projections, dense MLP or experts' gate/up and
+# down, the router, the lm_head (vocabulary 151936). hidden, intermediate, heads x head_dim from their configs.
+QWEN3 = {
+    "0.6B": dict(hidden=1024, inter=3072, q=2048, kv=1024),
+    "1.7B": dict(hidden=2048, inter=6144, q=2048, kv=1024),
+    "4B": dict(hidden=2560, inter=9728, q=4096, kv=1024),
+    "8B": dict(hidden=4096, inter=12288, q=4096, kv=1024),
+    "14B": dict(hidden=5120, inter=17408, q=5120, kv=1024),
+    "32B": dict(hidden=5120, inter=25600, q=8192, kv=1024),
+    "30B-A3B": dict(hidden=2048, inter=768, q=4096, kv=512, experts=128),
+    "235B-A22B": dict(hidden=4096, inter=1536, q=8192, kv=512, experts=128),
+}
+VOCAB = 151936
+
+
+def gemm_shapes() -> list[tuple[str, int, int]]:
+    shapes = set()
+    for name, c in QWEN3.items():
+        h = c["hidden"]
+        shapes |= {(f"{name} q_proj", h, c["q"]), (f"{name} kv_proj", h, c["kv"]), (f"{name} o_proj", c["q"], h),
+                   (f"{name} gate_up", h, 2 * c["inter"]), (f"{name} down", c["inter"], h), (f"{name} lm_head", h, VOCAB)}
+        if "experts" in c:
+            shapes.add((f"{name} router", h, c["experts"]))
+    return sorted(shapes)
+
+
+SHAPES = gemm_shapes()
+# Products per example: past it the M-row call keeps a window of the weight's columns (at its offset in
+# the real weight, so packing and tails see real strides); K, which fixes the reduction, is always whole.
+BUDGET = {"avx512": 4e8, "avx2": 2e8, "portable": 1.5e7}
+# Elements of x at most (64 MiB in fp32): M stays whole up to 4096 for K <= 4096, down to 655 at K 25600.
+X_ELEMENTS = 2**24
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int32)
+
+
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
+    row, col = (bits(a) != bits(b)).nonzero()[0].tolist()
+    return f"row {row} col {col}: {bits(a)[row, col].item() & 0xFFFFFFFF:#010x} vs {bits(b)[row, col].item() & 0xFFFFFFFF:#010x}"
+
+
+@pytest.mark.parametrize("tier", gemm.tiers_here())
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_row_of_an_m_row_call_equals_the_one_row_call(tier, data):
+    name, k, n = data.draw(st.sampled_from(SHAPES), label="shape")
+    m = data.draw(st.integers(1, 4096), label="M")
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), label="dtype")
+    k_major = data.draw(st.booleans(), label="K-major weight")
+    threads = data.draw(st.sampled_from([1, 2]), label="threads")
+    m = max(1, min(m, X_ELEMENTS // k))
+    width = max(1, min(n, int(BUDGET[tier] // (m * k))))
+    offset = data.draw(st.integers(0, n - width), label="first column")
+    gen = torch.Generator().manual_seed(m * 7919 + k + n)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(width, k, generator=gen) / k**0.5).to(dtype)  # columns offset..offset+width of the weight
+    if k_major:
+        w = w.mT.contiguous().mT
+    rows = sorted({0, m - 1, data.draw(st.integers(0, m - 1), label="row")})
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        whole = gemm.mm(x, w.mT, tier)
+        alone = torch.cat([gemm.mm(x[i:i + 1], w.mT, tier) for i in rows])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(bits(whole[rows]), bits(alone)), (
+        f"{tier} {name} M={m} K={k} N={n} (columns {offset}..{offset + width}) {dtype}: {first_difference(whole[rows], alone)}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,k,n", [(1, 2048, 768), (7, 768, 2048), (130, 1024, 300), (33, 3000, 65), (2, 5, 3)])
+def test_every_tier_computes_the_same_bits(dtype, m, k, n):
+    gen = torch.Generator().manual_seed(m + k + n)
+    x, w = torch.randn(m, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype)
+    results = {tier: gemm.mm(x, w.mT, tier) for tier in gemm.tiers_here()}
+    portable = results["portable"]
+    for tier, out in results.items():
+        assert torch.equal(bits(out), bits(portable)), f"{tier} vs portable: {first_difference(out, portable)}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_it_is_the_fp32_gemm_of_the_stored_values(dtype):
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(50, 1500, generator=gen).to(dtype), torch.randn(70, 1500, generator=gen).to(dtype)
+    exact = x.double() @ w.double().T
+    out = gemm.mm(x, w.mT)
+    assert out.dtype == torch.float32
+    # sequential fp32 accumulation: |error| <= K * eps32 * sum |x_k w_k| (a loose, always-valid bound)
+    bound = 1500 * 2**-24 * (x.double().abs() @ w.double().abs().T)
+    assert ((out.double() - exact).abs() <= bound).all()
+    assert (out.double() - exact).abs().max() < 1e-3
+
+
+def test_batched_operands_with_any_strides():
+    gen = torch.Generator().manual_seed(2)
+    a = torch.randn(3, 4, 10, 33, generator=gen)
+    b = torch.randn(3, 4, 20, 33, generator=gen).transpose(-1, -2)  # [.., 33, 20], column stride 33
+    out = gemm.mm(a[:, :, 2:], b)
+    assert out.shape == (3, 4, 8, 20)
+    assert torch.equal(bits(out[1, 2]), bits(gemm.mm(a[1, 2, 2:], b[1, 2].contiguous())))
+    torch.testing.assert_close(out, a[:, :, 2:] @ b, rtol=1e-5, atol=1e-5)
+
+
+def test_backward_uses_the_same_gemm_and_is_deterministic():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 64, generator=gen, requires_grad=True)
+    w = torch.randn(48, 64, generator=gen, requires_grad=True)
+    dy = torch.randn(37, 48, generator=gen)
+    grads = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        grads.append(torch.autograd.grad(linear(x, w), (x, w), dy))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    dx, dw = grads[0]
+    assert torch.equal(bits(dx), bits(gemm.mm(dy, w.detach())))  # dX = dY W, reduced over the outputs in order
+    assert torch.equal(bits(dw), bits(gemm.mm(dy.mT, x.detach())))  # dW = dY^T X, reduced over the tokens in order
+    torch.testing.assert_close(dx, dy @ w.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_tier_the_cpu_cannot_run_is_one_line(monkeypatch):
+    monkeypatch.setenv("LOGDIFF_GEMM_TIER", "avx1024")
+    gemm.tier.cache_clear()
+    try:
+        with pytest.raises(gemm.UserError, match="LOGDIFF_GEMM_TIER=avx1024 does not run on this CPU; choose one of"):
+            gemm.tier()
+    finally:
+        monkeypatch.delenv("LOGDIFF_GEMM_TIER")
+        gemm.tier.cache_clear()
+
+
+def test_a_machine_without_a_compiler_gets_one_line(tmp_path):
+    """A fresh cache and no c++ on PATH: the first GEMM says what is missing and how to get it, no traceback."""
+    env = {**os.environ, "LOGDIFF_CACHE": str(tmp_path), "PATH": str(tmp_path)}
+    probe = "from logdiff.cli.main import main; raise SystemExit(main(['run', '--max-new-tokens', '1', '--batch-size', '1']))"
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert "this machine has no c++; install a C++ compiler and ninja" in out.stderr + out.stdout
