@@ -180,7 +180,7 @@ def pytest_report_header(config):
     if describe:
         lines.append("  " + ", ".join(f"{k}: {v}" for k, v in describe.items()))
     p = info["platform"]
-    lines.append(f"  platform: {p['machine']}, {p['processor']} ({p['cpu_capability']}), {p['threads']} threads")
+    lines.append("  " + report.platform_line(p))
     return lines
 
 
