@@ -7,6 +7,7 @@ that a stack declining a property (`Unsupported`) is reported as skipped, never 
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -35,6 +36,11 @@ def pytest_addoption(parser):
         "--stack", default=DEFAULT_STACK, metavar="NAME",
         help="stack under test: a built-in name, module:attr, or a name registered under the entry-point "
              f"group {ENTRY_POINT_GROUP} (default {DEFAULT_STACK})",
+    )
+    group.addoption(
+        "--model", default=None, metavar="NAME|DIR",
+        help="run every workload on this model (a named config or a checkpoint directory) instead of its own; "
+             "a property whose workload builds its own weights (C9's tied router) is skipped, with the reason",
     )
     group.addoption(
         "--workload-seed", type=int, default=0, metavar="S",
@@ -152,7 +158,8 @@ def build_stack(config, model: str, seed: int, dtype: str, instance: str = "roll
     remembered. The trainer side is scored on its own instance (a fresh factory call, same weights), so
     a trainer cannot answer from the rollout's memory."""
     workload = Workload(model=model, seed=seed, dtype=dtype)
-    cache = config.stash[_BUILT].setdefault(instance, StackCache())
+    # On --model (real dimensions), one dtype's instances at a time: all of them would not fit in memory.
+    cache = config.stash[_BUILT].setdefault(instance, StackCache(keep_one_model=bool(config.getoption("--model"))))
     return cache.get(config.getoption("--stack"), workload.spec, workload.torch_dtype, MAX_MODEL_LEN)
 
 
@@ -184,11 +191,19 @@ def pytest_report_header(config):
     return lines
 
 
+def on_model(config, workload: Workload) -> Workload:
+    """The workload on `--model` where one is given: its prompts (ids of the small vocabulary, valid in any
+    larger one), lengths and sampling stay; the weights are the model's."""
+    model = config.getoption("--model")
+    return dataclasses.replace(workload, model=model) if model else workload
+
+
 def _builder(config, instance: str):
     def get(workload: Workload) -> Stack:
         if workload.max_model_len > MAX_MODEL_LEN:
             raise ValueError(
                 f"catalogue workload needs {workload.max_model_len} positions, stacks are built with {MAX_MODEL_LEN}")
+        workload = on_model(config, workload)
         return build_stack(config, workload.model, workload.seed, workload.dtype, instance)
 
     return get
@@ -231,15 +246,18 @@ def fresh_for(request, pytestconfig):
 
 
 @pytest.fixture(scope="session")
-def oracle_for():
+def oracle_for(pytestconfig):
     """oracle_for(workload) -> the fp64 oracle of the workload's model, with the weights its dtype stores."""
     from logdiff.oracle import Oracle
 
     built = {}
 
     def get(workload: Workload):
+        workload = on_model(pytestconfig, workload)
         key = (workload.model, workload.seed, workload.dtype)
         if key not in built:
+            if pytestconfig.getoption("--model"):
+                built.clear()
             try:
                 built[key] = Oracle(workload.spec, workload.torch_dtype)
             except Unsupported as e:

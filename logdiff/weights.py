@@ -77,14 +77,16 @@ class ModelSpec:
 
 
 def random_state(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded weights with unit-scale activations, so log-probs are far from uniform."""
+    """Seeded weights with unit-scale activations, so log-probs are far from uniform, and unit-scale logits:
+    a tied embedding is also the lm_head, so it gets the 1/sqrt(hidden) scale of the other GEMM weights
+    (at unit scale a token's logit would be |e|^2 = hidden, every greedy log-prob exactly 0)."""
     gen = torch.Generator().manual_seed(seed)
     shapes = {k: v.shape for k, v in Qwen3ForCausalLM(config).state_dict().items()}
     state = {}
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):
             state[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
-        elif name == "model.embed_tokens.weight":
+        elif name == "model.embed_tokens.weight" and not config.tie_word_embeddings:
             state[name] = torch.randn(shape, generator=gen)
         else:
             state[name] = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])

@@ -437,49 +437,100 @@ __attribute__((target("amx-tile,amx-bf16"))) void micro_amx(int64_t pairs, const
   _tile_stored(3, ct + 16 * 32 + 16, LDC);
 }
 
-// Per task: X^T's pairs packed once for the whole K (per MC rows), then each 32 x 32 block of C^T stays in
-// its tiles from the first k to the last and is stored once. The weight's 32 rows are read in place when
-// they are rows of whole words (row stride 1, K a multiple of 32), else packed once per 32 rows.
+// dst[j][i] = src[i][j] for a 16 x 16 block of fp32 (unpack, then shuffles of pairs and of 128-bit lanes).
+__attribute__((target("avx512f"))) void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+      t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * ldd, r[i]);
+}
+// X[m0:m0+count, :] -> 32 columns of X^T's pairs at stride ldx: word (p, m) = (x[m][2p], x[m][2p+1]),
+// zero columns past `count` and zero pairs past K. The loop runs along X's contiguous dimension.
+void pack_x_pairs(const bf16* x, int64_t rs, int64_t cs, int64_t count, int64_t K, int64_t pairs, int64_t ldx,
+                  uint32_t* out) {
+  const bf16 zero(0.0f);
+  auto word = [&](int64_t m, int64_t p) {
+    const int64_t k = 2 * p;
+    return m < count ? pair(k < K ? x[m * rs + k * cs] : zero, k + 1 < K ? x[m * rs + (k + 1) * cs] : zero) : 0u;
+  };
+  if (cs < rs) {
+    for (int64_t m = 0; m < 32; ++m)
+      for (int64_t p = 0; p < pairs; ++p) out[p * ldx + m] = word(m, p);
+  } else {
+    for (int64_t p = 0; p < pairs; ++p)
+      for (int64_t m = 0; m < 32; ++m) out[p * ldx + m] = word(m, p);
+  }
+}
+
+// First X^T's pairs, packed once per call (all of K, every row), then per task each 32 x 32 block of C^T
+// stays in its tiles from the first k to the last and is stored once. The weight's 32 rows are read in
+// place when they are rows of whole words (row stride 1, K a multiple of 32), else packed per 32 rows.
 void gemm_amx(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_t K, float* out) {
   constexpr int64_t BLOCK = 32;  // the C^T block: 32 weight rows x 32 activation rows
+  const int64_t pairs = (K + 31) / 32 * 16, m_blocks = (M + BLOCK - 1) / BLOCK;
+  const int64_t ldx = m_blocks * BLOCK + 16;  // off a power of two: a tile's 16 rows would share cache sets
+  std::vector<uint32_t> xpack(batch * pairs * ldx);
+  at::parallel_for(0, batch * m_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t bi = t / m_blocks, m0 = (t % m_blocks) * BLOCK;
+      pack_x_pairs(static_cast<const bf16*>(a.data) + bi * a.batch + m0 * a.row, a.row, a.col,
+                   std::min(BLOCK, M - m0), K, pairs, ldx, xpack.data() + bi * pairs * ldx + m0);
+    }
+  });
   const Plan plan(batch, M, N);
-  const int64_t pairs = (K + 31) / 32 * 16, ldx = (MC + BLOCK - 1) / BLOCK * BLOCK;
   const bool w_in_place = bm.row == 1 && K % 32 == 0;
   at::parallel_for(0, plan.tasks, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<uint32_t> xpack, wpack;
+    thread_local std::vector<uint32_t> wpack;
     thread_local std::vector<float> ct;
-    xpack.resize(pairs * ldx);
     wpack.resize(BLOCK * pairs);
     ct.resize(BLOCK * BLOCK);
     amx_configure();  // per chunk: other code (oneDNN) may have loaded its own tile configuration
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bi = plan.batch_item(task);
-      const bf16* a_base = static_cast<const bf16*>(a.data) + bi * a.batch;
       const bf16* b_base = static_cast<const bf16*>(bm.data) + bi * bm.batch;
+      const uint32_t* x = xpack.data() + bi * pairs * ldx;
       float* c_base = out + bi * M * N;
       const int64_t n0 = plan.n_block(task) * NC, nc = std::min(NC, N - n0);
       const int64_t m_lo = plan.m_lo(task), m_hi = plan.m_hi(task, M);
-      for (int64_t m0 = m_lo; m0 < m_hi; m0 += MC) {
-        const int64_t mc = std::min(MC, m_hi - m0);
-        // word (p, m) = (x[m][2p], x[m][2p+1]), zero columns up to whole blocks, zero pairs past K
-        pack_b_pairs(a_base + m0 * a.row, a.col, a.row, K, mc, pairs, ldx, xpack.data());
-        for (int64_t j = 0; j < nc; j += BLOCK) {
-          const int64_t cols = std::min(BLOCK, nc - j);
-          const bf16* wb = b_base + (n0 + j) * bm.col;
-          const char* w = reinterpret_cast<const char*>(wb);
-          int64_t row_bytes = bm.col * 2;
-          if (!w_in_place || cols < BLOCK) {
-            pack_a_pairs(wb, bm.col, bm.row, cols, K, BLOCK, pairs, wpack.data());
-            w = reinterpret_cast<const char*>(wpack.data());
-            row_bytes = pairs * 4;
+      for (int64_t j = 0; j < nc; j += BLOCK) {
+        const int64_t cols = std::min(BLOCK, nc - j);
+        const bf16* wb = b_base + (n0 + j) * bm.col;
+        const char* w = reinterpret_cast<const char*>(wb);
+        int64_t row_bytes = bm.col * 2;
+        if (!w_in_place || cols < BLOCK) {
+          pack_a_pairs(wb, bm.col, bm.row, cols, K, BLOCK, pairs, wpack.data());
+          w = reinterpret_cast<const char*>(wpack.data());
+          row_bytes = pairs * 4;
+        }
+        for (int64_t m0 = m_lo; m0 < m_hi; m0 += BLOCK) {
+          const int64_t rows = std::min(BLOCK, m_hi - m0);
+          micro_amx(pairs, w, row_bytes, x + m0, ldx, ct.data());
+          float* c = c_base + m0 * N + n0 + j;
+          if (rows == BLOCK && cols == BLOCK) {
+            for (int64_t rb = 0; rb < BLOCK; rb += 16)
+              for (int64_t qb = 0; qb < BLOCK; qb += 16) transpose16(ct.data() + qb * BLOCK + rb, BLOCK, c + rb * N + qb, N);
+            continue;
           }
-          for (int64_t i = 0; i < mc; i += BLOCK) {
-            const int64_t rows = std::min(BLOCK, mc - i);
-            micro_amx(pairs, w, row_bytes, xpack.data() + i, ldx, ct.data());
-            float* c = c_base + (m0 + i) * N + n0 + j;
-            for (int64_t r = 0; r < rows; ++r)
-              for (int64_t q = 0; q < cols; ++q) c[r * N + q] = ct[q * BLOCK + r];
-          }
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t q = 0; q < cols; ++q) c[r * N + q] = ct[q * BLOCK + r];
         }
       }
     }

@@ -18,6 +18,7 @@ from pathlib import Path
 from logdiff import report, stacks
 from logdiff.cli.options import add_engine_args, apply_engine_args
 from logdiff.errors import UserError
+from logdiff.weights import ModelSpec
 
 
 def add(sub) -> None:
@@ -25,6 +26,8 @@ def add(sub) -> None:
         "check", help="run the conformance catalogue (C1-C12) on one stack; exit 0 only if every property passes",
     )
     p.add_argument("--stack", required=True, metavar="NAME", help="the stack: built-in name, module:attr or entry point")
+    p.add_argument("--model", metavar="NAME|DIR",
+                   help="run every workload on this model (named config or checkpoint directory) instead of its own")
     p.add_argument("--xfails-file", metavar="PATH", help="known gaps: one test id per line, reported as xfail")
     p.add_argument("--property", action="append", dest="properties", metavar="ID",
                    help="run only this property, repeatable, e.g. --property C3 (default: the whole catalogue)")
@@ -63,6 +66,9 @@ def cmd_check(args) -> int:
     if args.workload_examples is not None and args.workload_examples < 0:
         raise UserError(f"--workload-examples {args.workload_examples} is negative; pass 0 or more")
     generated = [f"--workload-seed={args.workload_seed}"]
+    if args.model:
+        ModelSpec(args.model).config()  # an unknown name or a directory without config.json: one line, now
+        generated.append(f"--model={args.model}")
     if args.workload_examples is not None:
         generated.append(f"--workload-examples={args.workload_examples}")
     if args.workload_shrink_seconds is not None:
