@@ -9,7 +9,7 @@ from logdiff.kernels import Alignments, reference_kernels
 
 
 def reference_no_mask():
-    """reference with the mask alignment off: breaks on mixed prompt lengths in one batch (prompts 5 and 200).
+    """reference with the mask alignment off: breaks on mixed prompt lengths in one batch (prompts 5 and 200; bf16/fp16: 4).
 
     The trainer left-pads the 13-token sequence into a 208-token buffer with an additive mask, so its
     keys sit at buffer positions 195..207 and its KV block boundaries are the buffer's, not its own.
@@ -18,7 +18,7 @@ def reference_no_mask():
 
 
 def reference_no_order():
-    """reference with the order alignment off: breaks on one request decoding alone (batch 1, prompt 200).
+    """reference with the order alignment off: breaks on one request decoding alone (batch 1, prompt 200, any dtype).
 
     Its GEMMs are tiled over rows with a different reduction for a lone last row (`row_tiled_linear`):
     a decode step's single row is such a row, the trainer's 208 rows are not; and flash-decoding splits
@@ -28,7 +28,7 @@ def reference_no_order():
 
 
 def reference_no_blocks():
-    """reference with the blocks alignment off: breaks once a context exceeds 64 tokens (prompt 100).
+    """reference with the blocks alignment off: breaks once a context exceeds 64 tokens (prompt 100; bf16/fp16: 200).
 
     The rollout merges the online softmax over 64-key blocks, the trainer over 128-key blocks: the
     running max and rescale happen at different keys.
@@ -37,7 +37,7 @@ def reference_no_blocks():
 
 
 def reference_no_precision():
-    """reference with the precision alignment off: breaks in bf16 (any workload); fp32 is unaffected.
+    """reference with the precision alignment off: breaks in bf16 and fp16 (any workload); fp32 is unaffected.
 
     The rollout rounds the attention probabilities P to the model dtype before P.V; the trainer keeps
     them in fp32. In fp32 the rounding is the identity, so the ablation only shows in low precision.
@@ -70,6 +70,18 @@ BREAKS_ON = {
     "reference-no-order": dict(batch_size=1, prompt_lens=(200,), max_new_tokens=8),
     "reference-no-blocks": dict(batch_size=1, prompt_lens=(100,), max_new_tokens=8),
     "reference-no-precision": dict(dtype="bf16", batch_size=2, prompt_lens=(40, 90), max_new_tokens=8),
+}
+
+# Workload fields on which each ablation must fail in bf16 and in fp16, the dtypes RL trains in. There the
+# fp32 differences the mask, order and blocks alignments make mostly stay below the model dtype's rounding:
+# on qwen3-moe-tiny (128-wide attention outputs) none crossed it in a search up to batch 4, prompts 300 and
+# 64 new tokens; qwen3-moe-small's 512-wide layers cross it on these.
+BREAKS_IN_LOW_PRECISION_ON = {
+    "reference-no-mask": dict(model="qwen3-moe-small", batch_size=4, prompt_lens=(5, 200, 17, 300), max_new_tokens=16,
+                              stagger=0),
+    "reference-no-order": dict(model="qwen3-moe-small", batch_size=1, prompt_lens=(200,), max_new_tokens=8),
+    "reference-no-blocks": dict(model="qwen3-moe-small", batch_size=1, prompt_lens=(200,), max_new_tokens=16),
+    "reference-no-precision": dict(batch_size=2, prompt_lens=(40, 90), max_new_tokens=8),
 }
 
 # Ablations that only show across processes: single-process properties (and C3) hold, C8 breaks.

@@ -3,7 +3,7 @@ space; `baseline` and every ablation are not, each on the workload its docstring
 
 import pytest
 
-from logdiff.kernels.ablations import ABLATIONS, BREAKS_ON
+from logdiff.kernels.ablations import ABLATIONS, BREAKS_IN_LOW_PRECISION_ON, BREAKS_ON
 
 MODELS = ["qwen3-moe-tiny", "qwen3-dense-tiny"]
 DTYPES = ["fp32", "bf16", "fp16"]
@@ -64,6 +64,15 @@ def test_each_ablation_breaks_parity_on_its_named_workload(run, name):
     c = run(name, **fields).comparison
     assert c.verdict == "fail", f"{name} stayed bitwise on {fields}"
     assert c.first_divergence is not None
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("name", sorted(ABLATIONS))
+def test_each_ablation_breaks_parity_in_the_dtypes_rl_trains_in(run, name, dtype):
+    fields = {**BREAKS_IN_LOW_PRECISION_ON[name], "dtype": dtype}
+    assert_bitwise(run("reference", **fields))
+    c = run(name, **fields).comparison
+    assert c.verdict == "fail", f"{name} stayed bitwise in {dtype} on {fields}"
 
 
 def test_precision_ablation_is_harmless_in_fp32(run):
