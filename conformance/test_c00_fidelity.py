@@ -1,9 +1,11 @@
 """C0: the stack runs the model. Two paths that agree bit for bit prove nothing if neither computes the
 model, so every side's log-probs are scored against an fp64 oracle of the same weights: the rollout's,
-the trainer's (on its own instance of the stack) and, where offered, the engine's prefill scoring. Each
-stays within its dtype's bound (logdiff.oracle.FIDELITY_BOUNDS, with the measurement it comes from);
-greedy tokens are the oracle's argmax wherever its top-2 margin is clear; seeded sampling draws from
-the oracle's tempered distribution (a log-likelihood z-test and a PIT chi-square, alpha 1e-3)."""
+the trainer's (on its own instance of the stack) and, where offered, the engine's prefill scoring, on
+greedy workloads and on sampled ones at temperatures 0.3, 0.7, 1 and 1.5 (scored at the request's own
+temperature, so log-probs recorded at another one fail). Each stays within its dtype's bound
+(logdiff.oracle.FIDELITY_BOUNDS, with the measurement it comes from); greedy tokens are the oracle's
+argmax wherever its top-2 margin is clear; seeded sampling draws from the oracle's tempered distribution
+(a log-likelihood z-test and a PIT chi-square, alpha 1e-3)."""
 
 import dataclasses
 
@@ -18,6 +20,8 @@ from .workloads import WORKLOADS, with_dtype
 
 CASES = {name: WORKLOADS[name] for name in ("block-edges", "sampled", "long-decode", "dense", "batch-20")} | {
     f"block-edges-sampled-{dtype}": with_dtype(WORKLOADS["block-edges-sampled"], dtype) for dtype in ("bf16", "fp16")
+} | {  # recorded log-probs against the oracle's at the request's own temperature, not only at 0 and 1
+    f"sampled-T{t}": dataclasses.replace(WORKLOADS["sampled"], temperature=t) for t in (0.3, 0.7, 1.5)
 }
 
 SAMPLING_PROMPTS, SAMPLING_TOKENS = 32, 32  # 1024 seeded draws: a cheat's expected |z| is 7 to 130 (see README)

@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 
-from logdiff.api import EngineOptions, RolloutOutput
+from logdiff.api import EngineOptions, RolloutOutput, TrainerInputs
 from logdiff.baselines.baseline import baseline_kernels
 from logdiff.conformance.workloads import ABLATION_WORKLOADS, BLOCK_EDGES, WORKLOADS
 from logdiff.kernels import reference_kernels
@@ -100,3 +100,22 @@ class TunedStack(KernelStack):
     def prompt_logprobs(self, sequences, score_from, temperatures, options=EngineOptions()):
         return KernelStack.prompt_logprobs(self._side(score_from), sequences, score_from, temperatures, options)
 
+
+
+class WrongTemperatureStack(KernelStack):
+    """samples at the request's temperature T but records log-probs at T * T, on both paths (the trainer
+    recomputes at T * T too): consistent, and right only at T = 1 and greedy"""
+
+    def rollout(self, requests, options=EngineOptions(), capture=None):
+        outputs = super().rollout(requests, options, capture)
+        scored = TrainerInputs.after(requests, outputs)
+        logprobs = self.trainer_logprobs(scored.sequences, scored.score_from, scored.temperatures)
+        return [RolloutOutput(o.tokens, lp) for o, lp in zip(outputs, logprobs)]
+
+    def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, capture=None):
+        squared = [t * t for t in temperatures]
+        return super().trainer_logprobs(sequences, score_from, squared, grad, capture)
+
+
+def wrong_temperature(spec, dtype, max_model_len):
+    return WrongTemperatureStack(spec, dtype, max_model_len, reference_kernels(name="wrong-temperature"))

@@ -110,6 +110,7 @@ CHEAT_RUNS = {  # stack, extra `logdiff run` options, what the user sees
     "cheats:rounding": ([], "C0 (trainer): |logp - logp_fp64| reaches 0.0312"),
     "cheats:EchoStack": ([], "C3 (rollout vs trainer): logprobs differ at seq"),
     "cheats:TunedStack": (["--prompt-lens", "33,71"], "C3 (rollout vs trainer): logprobs differ at seq"),
+    "cheats:wrong_temperature": (["--temperature", "0.7"], "C0 (rollout): |logp - logp_fp64| reaches"),
 }
 
 
@@ -138,6 +139,14 @@ def test_c0_catches_the_consistent_cheats(cheats_importable, fixtures, stack):
     assert message.startswith("C0 (rollout): ") and "C0 (trainer): " in message
 
 
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.5])
+def test_c0_catches_log_probs_recorded_at_another_temperature(cheats_importable, fixtures, temperature):
+    import cheats
+
+    message = violation(c0.test_c0_runs_the_model, fixtures, cheats.wrong_temperature, workload=f"sampled-T{temperature}")
+    assert message.startswith("C0 (rollout): |logp - logp_fp64| reaches") and "C0 (trainer): " in message
+
+
 def test_isolation_catches_the_echoing_trainer(cheats_importable, fixtures):
     """On one instance the echo passes C3; the catalogue scores the trainer on another instance."""
     import cheats
@@ -161,6 +170,15 @@ def test_logdiff_check_fails_a_consistent_cheat_naming_c0(tmp_path):
     assert "FAIL test_c0_runs_the_model[block-edges]" in result.stdout
     assert "C0 (rollout): |logp - logp_fp64| reaches 0.0312" in result.stdout
     assert json.loads((tmp_path / "check.json").read_text())["stacks"][0]["properties"]["C0"]["verdict"] == "fail"
+
+
+def test_logdiff_check_fails_log_probs_recorded_at_another_temperature(tmp_path):
+    result = _check("cheats:wrong_temperature", "C0", tmp_path)
+    assert result.returncode == 1, result.stderr
+    failed = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("FAIL ")}
+    assert {f"test_c0_runs_the_model[sampled-T{t}]" for t in (0.3, 0.7, 1.5)} <= failed, result.stdout
+    assert "test_c0_runs_the_model[block-edges]" not in failed  # greedy: right there
+    assert "C0 (rollout): |logp - logp_fp64| reaches" in result.stdout
 
 
 def test_logdiff_check_fails_the_tuned_stack_on_a_generated_workload(tmp_path):
