@@ -181,14 +181,19 @@ class Fidelity:
     bound_max: float
     bound_mean: float
     greedy_mismatch: tuple[int, int, int, int] | None = None  # (seq, pos, token, oracle argmax)
+    rounded_to: str | None = None  # the model dtype, when every recorded log-prob lies on its grid
 
     @property
     def holds(self) -> bool:
         return (self.max_abs_error <= self.bound_max and self.mean_abs_error <= self.bound_mean
-                and self.greedy_mismatch is None)
+                and self.greedy_mismatch is None and self.rounded_to is None)
 
     def problem(self) -> str | None:
         """One line saying why C0 fails for this side, or None."""
+        if self.rounded_to is not None:
+            return (f"C0 ({self.side}): every nonzero log-prob is exactly a {self.rounded_to} value: they were rounded "
+                    f"to the model dtype (an fp32 log-prob lands on that grid by chance with probability "
+                    f"{GRID_CHANCE[self.rounded_to]} each); compute and return them in fp32")
         if self.greedy_mismatch is not None:
             s, p, token, best = self.greedy_mismatch
             return (f"C0 ({self.side}): greedy token at seq {s} pos {p} is {token}, but the fp64 oracle's argmax is {best} "
@@ -205,7 +210,26 @@ class Fidelity:
     def to_dict(self) -> dict:
         return {"side": self.side, "max_abs_error": self.max_abs_error, "mean_abs_error": self.mean_abs_error,
                 "worst": self.worst, "bound_max": self.bound_max, "bound_mean": self.bound_mean,
-                "greedy_mismatch": self.greedy_mismatch, "holds": self.holds}
+                "greedy_mismatch": self.greedy_mismatch, "rounded_to": self.rounded_to, "holds": self.holds}
+
+
+# Log-probs rounded to the model dtype on both paths sit inside every low-precision error bound, but all
+# of them lie on the dtype's grid, where fp32 values computed in fp32 land by chance with probability
+# 2^-(23 - mantissa bits) each: with GRID_TOKENS of them that cannot be chance.
+GRID_TOKENS = 8
+GRID_CHANCE = {"bf16": "2^-16", "fp16": "2^-13"}
+_GRID_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def rounded_to_model_dtype(logprobs: Sequence[torch.Tensor], dtype: torch.dtype) -> str | None:
+    """The model dtype's name if every nonzero log-prob (at least GRID_TOKENS) is exactly one of its values."""
+    if dtype not in _GRID_DTYPES:
+        return None
+    values = torch.cat([x.detach().float().flatten() for x in logprobs]) if logprobs else torch.zeros(0)
+    values = values[values != 0]
+    if values.numel() < GRID_TOKENS or not torch.isfinite(values).all():
+        return None
+    return _GRID_DTYPES[dtype] if torch.equal(values.to(dtype).float(), values) else None
 
 
 def fidelity(side: str, logprobs: Sequence[torch.Tensor], oracle: OracleScores, dtype: torch.dtype,
@@ -234,7 +258,8 @@ def fidelity(side: str, logprobs: Sequence[torch.Tensor], oracle: OracleScores, 
                 p = int(wrong.nonzero()[0])
                 mismatch = (s, p, int(toks[p]), int(oracle.argmax[s][p]))
                 break
-    return Fidelity(side, worst_err, worst_mean, worst_at, bound_max, bound_mean, mismatch)
+    return Fidelity(side, worst_err, worst_mean, worst_at, bound_max, bound_mean, mismatch,
+                    rounded_to_model_dtype(logprobs, dtype))
 
 
 SAMPLING_ALPHA = 1e-3  # significance of each sampling test; the draws are seeded, so a verdict reproduces

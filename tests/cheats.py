@@ -119,3 +119,20 @@ class WrongTemperatureStack(KernelStack):
 
 def wrong_temperature(spec, dtype, max_model_len):
     return WrongTemperatureStack(spec, dtype, max_model_len, reference_kernels(name="wrong-temperature"))
+
+
+class ModelDtypeLogprobStack(KernelStack):
+    """reference, with every log-prob rounded to the model dtype (bf16/fp16) on both paths, then returned as fp32"""
+
+    def rollout(self, requests, options=EngineOptions(), capture=None):
+        return [RolloutOutput(o.tokens, self._in_model_dtype(o.logprobs)) for o in super().rollout(requests, options, capture)]
+
+    def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, capture=None):
+        return [self._in_model_dtype(x) for x in super().trainer_logprobs(sequences, score_from, temperatures, grad, capture)]
+
+    def _in_model_dtype(self, x):
+        return x.to(next(self.model.parameters()).dtype).float()
+
+
+def model_dtype_logprobs(spec, dtype, max_model_len):
+    return ModelDtypeLogprobStack(spec, dtype, max_model_len, reference_kernels(name="model-dtype-logprobs"))

@@ -111,6 +111,7 @@ CHEAT_RUNS = {  # stack, extra `logdiff run` options, what the user sees
     "cheats:EchoStack": ([], "C3 (rollout vs trainer): logprobs differ at seq"),
     "cheats:TunedStack": (["--prompt-lens", "33,71"], "C3 (rollout vs trainer): logprobs differ at seq"),
     "cheats:wrong_temperature": (["--temperature", "0.7"], "C0 (rollout): |logp - logp_fp64| reaches"),
+    "cheats:model_dtype_logprobs": (["--dtype", "bf16"], "C0 (rollout): every nonzero log-prob is exactly a bf16 value"),
 }
 
 
@@ -145,6 +146,16 @@ def test_c0_catches_log_probs_recorded_at_another_temperature(cheats_importable,
 
     message = violation(c0.test_c0_runs_the_model, fixtures, cheats.wrong_temperature, workload=f"sampled-T{temperature}")
     assert message.startswith("C0 (rollout): |logp - logp_fp64| reaches") and "C0 (trainer): " in message
+
+
+@pytest.mark.parametrize("workload", ["block-edges-sampled-bf16", "block-edges-sampled-fp16"])
+def test_c0_catches_log_probs_rounded_to_the_model_dtype(cheats_importable, fixtures, workload):
+    """Inside every bf16/fp16 error bound, but all on the dtype's grid."""
+    import cheats
+
+    message = violation(c0.test_c0_runs_the_model, fixtures, cheats.model_dtype_logprobs, workload=workload)
+    dtype = workload.rsplit("-", 1)[1]
+    assert message.startswith(f"C0 (rollout): every nonzero log-prob is exactly a {dtype} value") and "C0 (trainer)" in message
 
 
 def test_isolation_catches_the_echoing_trainer(cheats_importable, fixtures):
