@@ -101,3 +101,28 @@ def test_bad_input_from_the_shell_has_no_traceback(args):
     out = logdiff("run", *args)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.count("\n") == 1 and out.stderr.startswith("logdiff: error: ")
+
+
+@pytest.mark.parametrize("omp, flag, threads", [(None, [], 1), ("3", [], 3), ("3", ["--threads", "2"], 2)])
+def test_threads_default_to_omp_num_threads_else_1_and_are_reported(tmp_path, capsys, monkeypatch, omp, flag, threads):
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    before = torch.get_num_threads()
+    path = tmp_path / "run.json"
+    assert main(["run", *QUICK, "--stack", "reference", *flag, "--json", str(path)]) == 0
+    assert f", {threads} threads" in capsys.readouterr().out.splitlines()[0]
+    assert json.loads(path.read_text())["platform"]["threads"] == threads
+    assert torch.get_num_threads() == before  # restored for in-process callers
+
+
+@pytest.mark.parametrize("omp, flag, message", [
+    (None, ["--threads", "0"], "--threads 0 is not positive"),
+    ("many", [], "OMP_NUM_THREADS='many' is not a positive integer"),
+])
+def test_bad_thread_count_is_one_line(capsys, monkeypatch, omp, flag, message):
+    if omp:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    assert main(["run", *QUICK, *flag]) == 2
+    assert message in capsys.readouterr().err

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import torch
-
 from logdiff import report, stacks
 from logdiff.bench.run import ALL_CASES, MODEL_CASES, run_bench
-from logdiff.cli.options import add_engine_args, add_parallel_args, apply_engine_args, parallel_layout
+from logdiff.cli.options import add_engine_args, add_parallel_args, add_threads_arg, apply_engine_args, parallel_layout
 from logdiff.errors import UserError
 from logdiff.stacks import BENCH_STACKS
 
@@ -22,7 +20,7 @@ def add(sub) -> None:
                    help=f"case to time, repeatable: {', '.join(ALL_CASES)}, 'model' (the first {len(MODEL_CASES)}, "
                         "the default) or 'all'; the kernel cases run at qwen3-30b-a3b shapes whatever --model says")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per stack and case (default 5)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's default, one per core)")
+    add_threads_arg(p)
     p.add_argument("--profile", action="store_true",
                    help="also profile each case on each stack once, untimed (torch.profiler): profile-<case>-<stack>.txt")
     p.add_argument("--out", metavar="DIR", help="folder for JSON, badge and plot (default results/<machine>/bench)")
@@ -50,10 +48,6 @@ def cmd_bench(args) -> int:
     if args.repeats < 1:
         raise UserError(f"--repeats {args.repeats} is not positive; pass 1 or more (3-5 give a spread)")
     parse_dtype(args.dtype)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UserError(f"--threads {args.threads} is not positive; pass 1 or more, or leave it out")
-        torch.set_num_threads(args.threads)
     apply_engine_args(args)
     names = args.stacks or list(BENCH_STACKS)
     for name in names:

@@ -16,7 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from logdiff import report, stacks
-from logdiff.cli.options import add_engine_args, apply_engine_args
+from logdiff.cli.options import add_engine_args, add_threads_arg, apply_engine_args
 from logdiff.errors import UserError
 
 
@@ -36,6 +36,7 @@ def add(sub) -> None:
                    help="shrink a failing generated workload for at most S seconds (default: hypothesis' limit, 300 s); "
                         "for engines whose examples are slow")
     p.add_argument("--out", metavar="DIR", help="results folder (default results/<machine>/<stack>)")
+    add_threads_arg(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_check)
 

@@ -26,6 +26,32 @@ def int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+THREADS_HELP = ("torch CPU threads (default: $OMP_NUM_THREADS if set, else 1: chosen for a shared machine, where torch's "
+                "one-per-core default ran `check --stack baseline` 30x slower under load; on an idle machine give its cores)")
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, metavar="N", help=THREADS_HELP)
+
+
+def threads_from_args(args) -> int:
+    """--threads, else $OMP_NUM_THREADS (its first level, as in "4,2"), else 1."""
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError(f"--threads {args.threads} is not positive; pass 1 or more")
+        return args.threads
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not env:
+        return 1
+    try:
+        threads = int(env.split(",")[0])
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        raise UserError(f"OMP_NUM_THREADS={env!r} is not a positive integer; unset it or pass --threads N")
+    return threads
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Where the out-of-process stacks find their engine (they read the environment variables named)."""
     p.add_argument("--server-url", metavar="URL",

@@ -10,6 +10,7 @@ from logdiff import report
 from logdiff.api import Unsupported
 from logdiff.cli.options import (
     add_parallel_args,
+    add_threads_arg,
     add_workload_args,
     parallel_layout,
     stack_names,
@@ -25,6 +26,7 @@ def add(sub) -> None:
     p = sub.add_parser("run", help="run a workload through stacks and compare rollout vs trainer log-probs bitwise")
     add_workload_args(p)
     add_parallel_args(p)
+    add_threads_arg(p)
     p.add_argument("--json", metavar="PATH", help="write the JSON result envelope here")
     p.add_argument("--dump", metavar="DIR", help="write tokens and both log-prob tensors per stack (safetensors)")
     p.set_defaults(func=cmd_run)
@@ -37,7 +39,8 @@ def cmd_run(args) -> int:
     if args.json:
         report.check_writable(args.json)
     dump = report.output_dir(args.dump, "--dump") if args.dump else None
-    print(f"logdiff run: {workload.describe()}" + (f", parallel {layout}" if layout else ""))
+    print(f"logdiff run: {workload.describe()}" + (f", parallel {layout}" if layout else "")
+          + f", {torch.get_num_threads()} threads")
     rows, results, problems = [], [], []
     rollout_side, trainer_side = StackCache(), StackCache()
     oracle = None
