@@ -89,9 +89,13 @@ def output_dir(path: str | os.PathLike, what: str) -> Path:
     return out
 
 
-def results_dir(*parts: str) -> Path:
-    """results/<machine>/...: where commands write by default."""
-    return Path("results", platform.node(), *parts)
+DEFAULT_OUT = "logdiff-out"
+
+
+def default_out(command: str, *parts: str) -> Path:
+    """./logdiff-out/<command>/...: where a command writes when not told (--out). Never the repository's committed
+    results/, which only the nox sessions that own them write, with an explicit --out."""
+    return Path(DEFAULT_OUT, command, *parts)
 
 
 def write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> None:

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 
 from logdiff.cli.main import main
+from logdiff.conformance.check import RESULT_FILES
 from logdiff.conformance.test_c03_rollout_trainer import CASES as C3_CASES
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def check(*args):
-    return subprocess.run([sys.executable, "-m", "logdiff", "check", *args], cwd=REPO, capture_output=True, text=True,
+def check(*args, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", "logdiff", "check", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=600)
 
 
@@ -69,14 +70,17 @@ def test_xfailed_gaps_exit_0(failing, tmp_path):
     assert "1 xfail" in (tmp_path / "r" / "conformance.svg").read_text()
 
 
-def test_passing_property_exits_0_with_green_badges(tmp_path):
-    result = check("--stack", "reference", "--property", "C12", "--out", str(tmp_path))
+def test_passing_property_exits_0_with_green_badges_under_logdiff_out(tmp_path):
+    """Without --out a user's run writes under ./logdiff-out/check/<stack>, never the repository's results/."""
+    result = check("--stack", "reference", "--property", "C12", cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:]
     assert re.search(r"\[\s*(\d+)/\1\] C12 ", result.stderr)  # the last progress line
-    stack = json.loads((tmp_path / "check.json").read_text())["stacks"][0]
+    out = tmp_path / "logdiff-out" / "check" / "reference"
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == sorted(RESULT_FILES)
+    stack = json.loads((out / "check.json").read_text())["stacks"][0]
     assert stack["verdict"] == "pass" and stack["max_abs_logdiff"] == 0.0
-    assert "1 pass" in (tmp_path / "conformance.svg").read_text()
-    assert ">0<" in (tmp_path / "logdiff.svg").read_text()
+    assert "1 pass" in (out / "conformance.svg").read_text()
+    assert ">0<" in (out / "logdiff.svg").read_text()
 
 
 @pytest.mark.parametrize("args, message", [

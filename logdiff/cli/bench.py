@@ -23,7 +23,7 @@ def add(sub) -> None:
     add_threads_arg(p)
     p.add_argument("--profile", action="store_true",
                    help="also profile each case on each stack once, untimed (torch.profiler): profile-<case>-<stack>.txt")
-    p.add_argument("--out", metavar="DIR", help="folder for JSON, badge and plot (default results/<machine>/bench)")
+    p.add_argument("--out", metavar="DIR", help="folder for JSON, badge and plot (default ./logdiff-out/bench)")
     add_parallel_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_bench)
@@ -54,7 +54,7 @@ def cmd_bench(args) -> int:
         stacks.resolve(name)
     cases = selected_cases(args.cases)
     ModelSpec(args.model).config()
-    out = report.output_dir(args.out or report.results_dir("bench"), "--out")
+    out = report.output_dir(args.out or report.default_out("bench"), "--out")
 
     result = run_bench(names, cases, args.model, args.dtype, args.repeats, parallel_layout(args),
                        profile_dir=out if args.profile else None)

@@ -1,7 +1,7 @@
 """`logdiff check --stack NAME`: the conformance catalogue on one stack, as a verdict per property.
 
 Runs `conformance/` (installed as logdiff.conformance) with pytest in this process, shows a progress
-line per test, prints a property x verdict table and writes under `results/<machine>/<stack>/`:
+line per test, prints a property x verdict table and writes under `./logdiff-out/check/<stack>/` (or --out):
 `check.json` (the result envelope: every test with its outcome, message and compared figures),
 `check.md` (the table, failures, skips) and two offline SVG badges: `conformance.svg` (property
 verdicts) and `logdiff.svg` (max |rollout - trainer| over every rollout-vs-trainer comparison).
@@ -35,7 +35,7 @@ def add(sub) -> None:
     p.add_argument("--workload-shrink-seconds", type=float, default=None, metavar="S",
                    help="shrink a failing generated workload for at most S seconds (default: hypothesis' limit, 300 s); "
                         "for engines whose examples are slow")
-    p.add_argument("--out", metavar="DIR", help="results folder (default results/<machine>/<stack>)")
+    p.add_argument("--out", metavar="DIR", help="results folder (default ./logdiff-out/check/<stack>)")
     add_threads_arg(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_check)
@@ -109,6 +109,6 @@ def _selected_properties(requested, catalogue) -> list[str]:
 
 
 def _out_dir(path: str | None, stack: str) -> Path:
-    return report.output_dir(path or report.results_dir(re.sub(r"[^\w.-]+", "_", stack)), "--out")
+    return report.output_dir(path or report.default_out("check", re.sub(r"[^\w.-]+", "_", stack)), "--out")
 
 

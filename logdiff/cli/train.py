@@ -34,7 +34,7 @@ def add(sub) -> None:
     p.add_argument("--clip", type=float, default=d.clip, help=f"PPO-clip epsilon (default {d.clip:g})")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of weights, prompts and sampling (default 0)")
     add_threads_arg(p)
-    p.add_argument("--out", metavar="DIR", help="folder for JSON and PNG (default results/<machine>/train)")
+    p.add_argument("--out", metavar="DIR", help="folder for JSON and PNG (default ./logdiff-out/train)")
     p.set_defaults(func=cmd_train, stacks_default=TRAIN_STACKS)
 
 
@@ -56,7 +56,7 @@ def output_paths(out: Path, config: TrainConfig) -> tuple[Path, Path]:
 def cmd_train(args) -> int:
     config = config_from_args(args)
     names = stack_names(args)
-    out = report.output_dir(args.out or report.results_dir("train"), "--out")
+    out = report.output_dir(args.out or report.default_out("train"), "--out")
     json_path, png_path = output_paths(out, config)
     return _train_and_report(names, config, json_path, png_path)
 
