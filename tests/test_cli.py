@@ -20,7 +20,7 @@ def logdiff(*args):
 
 def test_default_run_prints_a_row_per_stack():
     out = logdiff("run", *QUICK)
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 1, out.stderr  # baseline fails
     rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
             if line.split()[:1] in (["reference"], ["baseline"])}
     assert rows["reference"][-2] == "pass" and rows["reference"][1] == rows["reference"][2]
@@ -31,7 +31,7 @@ def test_default_run_prints_a_row_per_stack():
 def test_json_envelope_and_dump(tmp_path):
     path = tmp_path / "run.json"
     assert main(["run", *QUICK, "--dtype", "bf16", "--stack", "reference", "--stack", "baseline",
-                 "--json", str(path), "--dump", str(tmp_path / "dump")]) == 0
+                 "--json", str(path), "--dump", str(tmp_path / "dump")]) == 1
     env = json.loads(path.read_text())
     assert env["schema"] and env["suite"]["version"] and env["suite"]["commit"] and env["platform"]["torch"]
     assert env["workload"]["dtype"] == "bf16" and env["workload"]["prompt_lens"] == [3, 130]

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from logdiff import report
-from logdiff.cli.options import add_threads_arg
+from logdiff.cli.options import add_threads_arg, exit_status
 from logdiff.errors import UserError
 from logdiff.metrics import Comparison, bits, compare, framework_metrics
 
@@ -55,7 +55,7 @@ def cmd_analyze(args) -> int:
                  "old_log_probs_dtype": _dtype(old), "rollout_log_probs_dtype": _dtype(rollout)}
         report.write_json(args.json, report.envelope("analyze", batch, [{"name": path.name, **c.to_dict(), "notes": notes}]))
         print(f"wrote {args.json}")
-    return 0
+    return exit_status([c.verdict])
 
 
 def analyze(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> Comparison:

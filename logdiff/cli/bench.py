@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from logdiff import report, stacks
 from logdiff.bench.run import ALL_CASES, MODEL_CASES, run_bench
-from logdiff.cli.options import add_engine_args, add_parallel_args, add_threads_arg, apply_engine_args, parallel_layout
+from logdiff.cli.options import (
+    add_engine_args,
+    add_parallel_args,
+    add_threads_arg,
+    apply_engine_args,
+    exit_status,
+    parallel_layout,
+)
 from logdiff.errors import UserError
 from logdiff.stacks import BENCH_STACKS
 
@@ -51,7 +58,7 @@ def cmd_bench(args) -> int:
     apply_engine_args(args)
     names = args.stacks or list(BENCH_STACKS)
     for name in names:
-        stacks.resolve(name)
+        stacks.require(name)
     cases = selected_cases(args.cases)
     ModelSpec(args.model).config()
     out = report.output_dir(args.out or report.default_out("bench"), "--out")
@@ -61,6 +68,14 @@ def cmd_bench(args) -> int:
     print_summary(result)
     for path in write_outputs(result, out):
         print(f"wrote {path}")
-    return 0
+    return exit_status(_verdicts(result, names))
+
+
+def _verdicts(result: dict, names: list[str]) -> list[str]:
+    """A stack timed in no model case could not run ("skipped", exit 2); the bench judges no property."""
+    model_cases = [r for case, r in result["cases"].items() if case in MODEL_CASES]
+    if not model_cases:
+        return ["pass"]
+    return ["pass" if any(r["tokens_per_s"].get(n) for r in model_cases) else "skipped" for n in names]
 
 

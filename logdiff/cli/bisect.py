@@ -84,7 +84,7 @@ def cmd_bisect(args) -> int:
     print(render(result))
     if args.json:
         _write(args.json, result, stack)
-    return 0
+    return 1 if result.divergence else 0  # the paths diverge: the stack fails rollout = trainer
 
 
 def _sides(args, layout: dict, one_process, stack) -> tuple[Side, Side]:

@@ -9,7 +9,7 @@ import sys
 import torch
 
 from logdiff.cli import analyze, bench, bisect, check, list_stacks, run, train
-from logdiff.cli.options import Parser, threads_from_args
+from logdiff.cli.options import EXIT_CODES, Parser, threads_from_args
 from logdiff.errors import UserError
 
 COMMANDS = (run, list_stacks, analyze, bisect, check, bench, train)
@@ -20,6 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for command in COMMANDS:
         command.add(sub)
+    for p in (parser, *sub.choices.values()):
+        p.epilog, p.formatter_class = EXIT_CODES, argparse.RawDescriptionHelpFormatter
     return parser
 
 

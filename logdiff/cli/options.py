@@ -52,6 +52,22 @@ def threads_from_args(args) -> int:
     return threads
 
 
+EXIT_CODES = """\
+exit status, the same for every command (a CI can gate on it):
+  0  every stack passed (list, bench: the command completed)
+  1  a stack failed a property: bits differ, or C0 (fidelity) fails, or an engine erred in a test;
+     train: a stack is not exactly on-policy; bisect: the paths diverge (or do not reproduce)
+  2  bad input, or nothing could run: a missing engine, a stack that declined the workload or every
+     property (Unsupported), an unsupported parallel degree; one line on stderr, no traceback"""
+
+
+def exit_status(verdicts) -> int:
+    """The exit status from each stack's verdict: 1 if one failed, else 2 if one could not run at all ("skipped")
+    or there was none, else 0 ("pass", or check's "partial": it ran, some properties declined or xfailed)."""
+    found = set(verdicts)
+    return 1 if "fail" in found else 2 if "skipped" in found or not found else 0
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Where the out-of-process stacks find their engine (they read the environment variables named)."""
     p.add_argument("--server-url", metavar="URL",
@@ -123,5 +139,5 @@ def stack_names(args) -> list[str]:
         names = names[:at] + [n for n in stacks.builtin_stacks()
                               if n not in names and n not in stacks.EXTERNAL_STACKS] + names[at + 1:]
     for name in names:
-        stacks.resolve(name)
+        stacks.require(name)
     return names

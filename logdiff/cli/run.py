@@ -12,6 +12,7 @@ from logdiff.cli.options import (
     add_parallel_args,
     add_threads_arg,
     add_workload_args,
+    exit_status,
     parallel_layout,
     stack_names,
     workload_from_args,
@@ -71,7 +72,7 @@ def cmd_run(args) -> int:
     if args.json:
         report.write_json(args.json, report.envelope("run", workload.to_dict(), results))
         print(f"wrote {args.json}")
-    return 0
+    return exit_status(r["verdict"] for r in results)
 
 
 def _dump(path: Path, run) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from logdiff import report
 from logdiff.api import Unsupported
-from logdiff.cli.options import add_threads_arg, int_list, stack_names
+from logdiff.cli.options import add_threads_arg, exit_status, int_list, stack_names
 from logdiff.report import progress
 from logdiff.stacks import TRAIN_STACKS
 from logdiff.train import TrainConfig, build_stack, exactly_on_policy, train_stack
@@ -89,7 +89,8 @@ def _train_and_report(names: list[str], config: TrainConfig, json_path: Path, pn
     if runs:
         plot_training(png_path, runs, f"logdiff train: {config.describe()}")
         print(f"wrote {png_path}")
-    return 0
+    # The property a training run judges: exactly on-policy at every step.
+    return exit_status(["pass" if exactly_on_policy(r["steps"]) else "fail" for r in runs] + ["skipped" for _ in skipped])
 
 
 def summary_row(run: dict) -> dict:
