@@ -24,13 +24,24 @@ def install(session, *extras):
 
 @nox.session(python=PYTHON)
 def tests(session):
-    """The harness's own tests, negative controls included. tests/test_asv_pages.py opens the published
-    asv pages in a real headless browser: Debian's chromium is installed when missing."""
+    """The harness's own tests, negative controls included; installs logdiff[test] into this session's venv and
+    nothing else (the asv page test, which needs a browser, is `nox -s pages`)."""
+    install(session, "test")
+    session.run("pytest", "tests", "--ignore", PAGES_TEST, *session.posargs)
+
+
+PAGES_TEST = "tests/test_asv_pages.py"
+
+
+@nox.session(python=PYTHON)
+def pages(session):
+    """The published asv pages in a real headless browser: Debian's chromium (about 130 packages) is apt-installed
+    when missing, so this is a session of its own, asked for by name."""
     if not shutil.which("chromium"):
         session.run("apt-get", "update", "-qq", external=True)
         session.run("apt-get", "install", "-y", "-qq", "chromium", external=True, env={"DEBIAN_FRONTEND": "noninteractive"})
     install(session, "test")
-    session.run("pytest", "tests", *session.posargs)
+    session.run("pytest", PAGES_TEST, *session.posargs)
 
 
 @nox.session(python=PYTHON)

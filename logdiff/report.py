@@ -155,5 +155,13 @@ def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def threads() -> str:
+    """How many torch CPU threads compute, as every command's header says it."""
+    import torch
+
+    n = torch.get_num_threads()
+    return f"{n} thread{'s' * (n != 1)}"
+
+
 def fmt_float(x: float) -> str:
     return "0" if x == 0 else f"{x:.3g}"

@@ -41,7 +41,7 @@ def cmd_analyze(args) -> int:
     c = analyze(old, rollout, mask)
     print(f"logdiff analyze {path}: {mask.shape[0]} sequences x {mask.shape[1]} response columns; "
           f"trainer = old_log_probs ({_dtype(old)}), rollout = rollout_log_probs ({_dtype(rollout)}), "
-          f"{torch.get_num_threads()} threads")
+          f"{report.threads()}")
     print(report.table([report.comparison_row("batch", path.name, c)]))
     if c.first_divergence:
         print(report.divergence_line(path.name, c))

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from logdiff import report, stacks
 from logdiff.api import Unsupported
 from logdiff.bisect.capture import split_name
@@ -134,7 +132,7 @@ def render(b: Bisection) -> str:
     c = b.comparison
     first, second = b.sides
     lines = [
-        f"logdiff bisect {b.stack}: {b.workload.describe()}, {torch.get_num_threads()} threads",
+        f"logdiff bisect {b.stack}: {b.workload.describe()}, {report.threads()}",
         *([] if b.sides == (ROLLOUT, TRAINER) else [f"comparing: the {first} against the {second}"]),
         f"run: {c.tokens} tokens, {c.bitwise_equal_tokens} bitwise equal, max |logdiff| {report.fmt_float(c.max_abs_logdiff)}",
     ]

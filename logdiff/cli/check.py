@@ -100,11 +100,9 @@ def cmd_check(args) -> int:
 
 def summary(stack: str, rows: list[dict], entry: dict, results, out: Path) -> str:
     """One screen: the table, the verdict and why, the first failure's reason and how to rerun it, the files."""
-    import torch
-
     from logdiff.conformance.check import RESULT_FILES
 
-    lines = [f"logdiff check: stack {stack}, {len(results)} tests, {torch.get_num_threads()} threads", report.table(rows)]
+    lines = [f"logdiff check: stack {stack}, {len(results)} tests, {report.threads()}", report.table(rows)]
     if entry["max_abs_error_vs_fp64"]:
         lines.append("max |logp - logp_fp64| (C0): " + ", ".join(
             f"{side} {report.fmt_float(v)}" for side, v in entry["max_abs_error_vs_fp64"].items()))

@@ -41,7 +41,7 @@ def cmd_run(args) -> int:
         report.check_writable(args.json)
     dump = report.output_dir(args.dump, "--dump") if args.dump else None
     print(f"logdiff run: {workload.describe()}" + (f", parallel {layout}" if layout else "")
-          + f", {torch.get_num_threads()} threads")
+          + f", {report.threads()}")
     rows, results, problems = [], [], []
     rollout_side, trainer_side = StackCache(), StackCache()
     oracle = None

@@ -5,8 +5,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
 from logdiff import report
 from logdiff.api import Unsupported
 from logdiff.cli.options import add_threads_arg, exit_status, int_list, stack_names
@@ -66,7 +64,7 @@ def _train_and_report(names: list[str], config: TrainConfig, json_path: Path, pn
 
     from logdiff.train_plots import plot_training
 
-    print(f"logdiff train: {config.describe()}, {torch.get_num_threads()} threads")
+    print(f"logdiff train: {config.describe()}, {report.threads()}")
     runs, skipped = [], []
     for i, name in enumerate(names, 1):
         progress(f"[{i}/{len(names)}] {name}: building")
