@@ -185,7 +185,8 @@ def pytest_report_header(config):
     if describe:
         lines.append("  " + ", ".join(f"{k}: {v}" for k, v in describe.items()))
     p = info["platform"]
-    lines.append(f"  platform: {p['machine']}, {p['processor']} ({p['cpu_capability']}), {p['threads']} threads")
+    threads = f"{p['threads']} thread{'s' * (p['threads'] != 1)}"
+    lines.append(f"  platform: {p['machine']}, {p['processor']} ({p['cpu_capability']}), {threads}")
     return lines
 
 

@@ -61,10 +61,10 @@ def cmd_bench(args) -> int:
         stacks.require(name)
     cases = selected_cases(args.cases)
     ModelSpec(args.model).config()
+    layout = parallel_layout(args)
     out = report.output_dir(args.out or report.default_out("bench"), "--out")
 
-    result = run_bench(names, cases, args.model, args.dtype, args.repeats, parallel_layout(args),
-                       profile_dir=out if args.profile else None)
+    result = run_bench(names, cases, args.model, args.dtype, args.repeats, layout, profile_dir=out if args.profile else None)
     print_summary(result)
     for path in write_outputs(result, out):
         print(f"wrote {path}")

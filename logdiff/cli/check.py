@@ -115,7 +115,9 @@ def summary(stack: str, rows: list[dict], entry: dict, results, out: Path) -> st
     if verdict == "skipped":
         lines.append(f"nothing ran: stack {stack} declined every property{declined}")
     else:
-        parts = [f"{kind} {', '.join(by_verdict[kind])}" for kind in ("fail", "xfail", "skipped") if kind in by_verdict]
+        words = {"fail": ("fails", "fail"), "xfail": ("fails, a known gap", "fail, known gaps"), "skipped": ("skipped",) * 2}
+        parts = [f"{', '.join(by_verdict[kind])} {words[kind][len(by_verdict[kind]) > 1]}"
+                 for kind in ("fail", "xfail", "skipped") if kind in by_verdict]
         holds = "every property holds, bit for bit" if verdict == "pass" else "; ".join(parts)
         lines.append(f"verdict: {verdict}: {holds}" + (declined if verdict == "partial" and "skipped" in by_verdict else ""))
     failed = next((r for r in results if r.outcome == "fail"), None)
