@@ -58,6 +58,9 @@ def test_a_stack_that_declines_everything_is_exit_2(tmp_path):
                     "--workload-examples", "0", cwd=tmp_path)
     assert check.returncode == 2, check.stdout[-3000:]
     assert "nothing ran: stack test_exit_codes:declining_stack declined every property" in check.stdout
+    bench = logdiff("bench", "--stack", "test_exit_codes:declining_stack", "--case", "decode-b1", "--repeats", "1",
+                    "--model", "qwen3-moe-tiny", "--dtype", "fp32", cwd=tmp_path)
+    assert bench.returncode == 2 and "skipped: this stand-in declines everything" in bench.stdout, bench.stderr[-3000:]
 
 
 def test_a_stack_that_passes_is_exit_0_and_one_that_fails_exit_1(capsys):

@@ -64,8 +64,6 @@ def cmd_check(args) -> int:
     selected = _selected_properties(args.properties, conformance.CATALOGUE)
     if args.xfails_file and not Path(args.xfails_file).is_file():
         raise UserError(f"--xfails-file {args.xfails_file} is not a file; pass a text file with one test id per line")
-    out = _out_dir(args.out, args.stack)
-
     if args.workload_examples is not None and args.workload_examples < 0:
         raise UserError(f"--workload-examples {args.workload_examples} is negative; pass 0 or more")
     generated = [f"--workload-seed={args.workload_seed}"]
@@ -75,6 +73,7 @@ def cmd_check(args) -> int:
         if args.workload_shrink_seconds < 0:
             raise UserError(f"--workload-shrink-seconds {args.workload_shrink_seconds:g} is negative; pass 0 or more")
         generated.append(f"--workload-shrink-seconds={args.workload_shrink_seconds}")
+    out = _out_dir(args.out, args.stack)  # after every check of the input: bad input creates nothing
     collector = run_catalogue(args.stack, selected, args.xfails_file, generated, args.keyword)
 
     verdicts = summarise(collector.results, selected, conformance.CATALOGUE)
