@@ -126,3 +126,11 @@ def test_bad_thread_count_is_one_line(capsys, monkeypatch, omp, flag, message):
         monkeypatch.setenv("OMP_NUM_THREADS", omp)
     assert main(["run", *QUICK, *flag]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_every_computing_command_takes_threads_and_states_the_default():
+    from logdiff.cli.main import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for name in ("run", "check", "bisect", "bench", "train", "analyze"):
+        assert "$OMP_NUM_THREADS if set, else 1: chosen for a shared machine" in " ".join(commands[name].format_help().split())
