@@ -185,8 +185,7 @@ def pytest_report_header(config):
     if describe:
         lines.append("  " + ", ".join(f"{k}: {v}" for k, v in describe.items()))
     p = info["platform"]
-    threads = f"{p['threads']} thread{'s' * (p['threads'] != 1)}"
-    lines.append(f"  platform: {p['machine']}, {p['processor']} ({p['cpu_capability']}), {threads}")
+    lines.append("  " + report.platform_line(p))
     return lines
 
 

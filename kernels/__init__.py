@@ -6,7 +6,7 @@ from functools import partial
 
 from logdiff.kernels.activation import silu_mul
 from logdiff.kernels.attention import Alignments, rollout_attention, train_attention
-from logdiff.kernels.linear import fixed_order_row_linear, k_major, linear, plain_linear
+from logdiff.kernels.linear import fixed_order_row_linear, linear, row_tiled_linear, weight_layout
 from logdiff.kernels.logsoftmax import fixed_order_token_logprobs, token_logprobs
 from logdiff.kernels.moe import combine, grouped_experts, route
 from logdiff.kernels.norm import rms_norm
@@ -19,11 +19,11 @@ __all__ = ["Alignments", "reference_kernels"]
 
 def reference_kernels(align: Alignments = Alignments(), name: str = "reference") -> KernelSet:
     # `order` also covers the GEMMs: a reduction may not depend on how many rows share the call.
-    gemm = linear if align.order else plain_linear
+    gemm = linear if align.order else row_tiled_linear
 
     return KernelSet(
         name=name,
-        inference_weight=k_major,
+        inference_weight=weight_layout,
         linear=gemm,
         rms_norm=rms_norm,
         act=silu_mul,

@@ -20,8 +20,9 @@ def reference_no_mask():
 def reference_no_order():
     """reference with the order alignment off: breaks on one request decoding alone (batch 1, prompt 200).
 
-    Decode GEMMs run with one row (a different MKL kernel than the trainer's many-row GEMM), and
-    flash-decoding splits the 2-block KV range in two partitions merged by log-sum-exp.
+    Its GEMMs are tiled over rows with a different reduction for a lone last row (`row_tiled_linear`):
+    a decode step's single row is such a row, the trainer's 208 rows are not; and flash-decoding splits
+    the 2-block KV range in two partitions merged by log-sum-exp.
     """
     return reference_kernels(Alignments(order=False), name="reference-no-order")
 

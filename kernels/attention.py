@@ -6,6 +6,10 @@ each sequence's position 0 (running max, rescale, running sum, fp32 accumulators
 meets the same blocks, in the same order, with the same arithmetic, whether the trainer scores the
 whole sequence at once or the rollout engine decodes it one token at a time against a paged cache.
 
+Its reductions: QKᵀ and P·V are logdiff's GEMM (`gemm.matmul`, K reduced in one fixed order whatever
+the rows); a block's row max (exact in any order) and row sum of P over KV_BLOCK keys (128, one
+vectorised pass in torch, below any thread split); the merge of blocks in ascending block order.
+
 The four alignments of the Ascend method are the fields of `Alignments`; each is read in one place:
   mask      `train_attention`: the trainer covers each sequence's own positions and selects -inf for
             masked scores. Off: sequences are left-padded into one buffer with an additive mask

@@ -12,9 +12,10 @@ GEMM on upcast operands. Rounded once to the model dtype either way.
 
 import torch
 
-from logdiff.kernels.gemm import linear
+from logdiff.kernels.gemm import linear, weight_layout
 
-__all__ = ["linear", "plain_linear", "k_major", "native_gemm_dtype", "fixed_order_row_linear", "sum_in_order"]
+__all__ = ["linear", "plain_linear", "row_tiled_linear", "weight_layout", "native_gemm_dtype", "fixed_order_row_linear",
+           "sum_in_order"]
 
 
 def native_gemm_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -29,11 +30,18 @@ def plain_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x.to(compute), w.to(compute).mT).to(x.dtype)
 
 
-def k_major(w: torch.Tensor) -> torch.Tensor:
-    """w [.., out, in] as the transpose of a contiguous [.., in, out]: the same values, shape and dtype. The
-    GEMM computes x @ w.T by streaming rows of w.T; in this layout it reads them where they are instead of
-    packing a transposed copy per call (decode-b1, K 2048 x N 6144 bf16: 9.3 GB/s in place, 1.5 packed)."""
-    return w.mT.contiguous().mT
+def row_tiled_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`linear` as a GEMM tiled over rows computes it when its kernel for a lone last row differs: rows go
+    in pairs, and with an odd number of rows the last one reduces K as two halves added in fp32. A row's
+    bits then follow the shape of the call, on every CPU: the order alignment switched off for certain,
+    where torch's GEMM (`plain_linear`) only does so on the shapes its library happens to tile that way."""
+    even = linear(x, w)
+    if x.shape[-2] % 2 == 0:
+        return even
+    half = x.shape[-1] // 2
+    last = x[..., -1:, :]
+    split = linear(last[..., :half], w[..., :half], torch.float32) + linear(last[..., half:], w[..., half:], torch.float32)
+    return torch.cat([even[..., :-1, :], split.to(x.dtype)], dim=-2)
 
 
 # Row-parallel GEMMs (o_proj, down_proj) split K into this many chunks whatever the parallel degree:

@@ -1,9 +1,12 @@
 """Token log-probs: fp32, max-shifted, `s - log(sum(exp(s)))`, the same formula on both sides.
 
 Temperature divides the fp32 logits first; temperature 0 (greedy) scores the plain distribution,
-as temperature 1 (dividing by 1.0 is exact). The sum over the vocabulary is taken in chunks of VOCAB_CHUNK: torch splits one long
-reduction across threads when few rows share the call (measured: a 151936-wide row sums to other
-bits alone than among 64 rows), while a chunk-sized reduction always runs in one piece.
+as temperature 1 (dividing by 1.0 is exact). Order fixed in torch, not in the C++ module: the sum over
+the vocabulary is taken in chunks of VOCAB_CHUNK, then over the chunks. Torch splits one reduction
+across threads when fewer rows than threads share the call and the row is longer than its grain (32768;
+measured: a 151936-wide row sums to other bits alone than among 64 rows); a chunk (4096) and a row of
+chunk sums (37 for 151936) are below it, so each runs in one vectorised piece whose order follows its
+length only. The row max is exact in any order.
 
 Vocab-parallel (tensor parallelism, `logdiff.parallel`): each rank holds the logits of its slice of the
 vocabulary. The row max is gathered (a max is exact in any order), each rank sums exp over its slice,

@@ -2,7 +2,8 @@
 
 Routing: fp32 softmax over the router logits, top-k by a stable descending sort (ties go to the
 lower expert id), renormalised. Experts: each expert's tokens run through the kernel set's linear.
-Combine: a token's k expert outputs are summed in routing-rank order, in fp32.
+Combine: a token's k expert outputs are summed in routing-rank order, in fp32: k - 1 elementwise adds,
+no reduction torch could split or reorder. The experts' GEMMs are the kernel set's `linear`.
 
 `grouped_experts` is the reference's expert layer: the (token, expert) pairs are laid out once in one
 buffer, expert after expert; then one GEMM per active expert, or one batched GEMM over all experts when

@@ -1,7 +1,10 @@
 """RMSNorm as Qwen3 computes it: fp32 mean of squares, rsqrt, round, then scale.
 
-The mean runs over the hidden size (<= a few thousand): one vectorised reduction per row, whose
-order depends on the row length only, never on how many rows there are.
+Order fixed in torch, not in the C++ module, because torch already gives it: its CPU sum over the last
+dimension reduces each row whole, in one vectorised pass whose order follows the row's length and the
+CPU's vector width (cpu_capability) only. It splits one row across threads only when there are fewer
+rows than threads and the row is longer than at::internal::GRAIN_SIZE (32768); no Qwen3 hidden size is
+over 8192 (tests/test_row_invariance.py: every Qwen3 hidden size, M 1..4096, 1 and 2 threads).
 """
 
 import torch

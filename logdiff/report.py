@@ -23,6 +23,8 @@ def platform_info() -> dict:
     """The machine a result was measured on; `target` is the accelerator torch sees, else the CPU."""
     import torch
 
+    from logdiff.kernels import gemm
+
     accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     return {
         "machine": platform.node(),
@@ -33,7 +35,14 @@ def platform_info() -> dict:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "target": accelerator.type if accelerator else "cpu",
+        "gemm_tiers": gemm.tiers(),
     }
+
+
+def platform_line(p: dict) -> str:
+    """The platform of a result in one line, the GEMM tiers that ran included (their bits differ)."""
+    tiers = ", ".join(f"{dtypes} {tier}" for dtypes, tier in p["gemm_tiers"].items())
+    return f"platform: {p['machine']}, {p['processor']} ({p['cpu_capability']}), {threads(p['threads'])}, logdiff GEMM {tiers}"
 
 
 def suite_commit() -> str:
@@ -155,11 +164,11 @@ def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def threads() -> str:
-    """How many torch CPU threads compute, as every command's header says it."""
+def threads(n: int | None = None) -> str:
+    """How many torch CPU threads compute (default: now), as every command's header says it."""
     import torch
 
-    n = torch.get_num_threads()
+    n = torch.get_num_threads() if n is None else n
     return f"{n} thread{'s' * (n != 1)}"
 
 

@@ -99,3 +99,4 @@ class TunedStack(KernelStack):
 
     def prompt_logprobs(self, sequences, score_from, temperatures, options=EngineOptions()):
         return KernelStack.prompt_logprobs(self._side(score_from), sequences, score_from, temperatures, options)
+

@@ -53,13 +53,14 @@ def test_baseline_rollout_tp2_against_tp1_is_traced_to_a_native_all_reduce(tmp_p
     assert "all_reduce" in cause["collective"] and cause["rank"] in cause["ranks"]
 
 
-def test_baseline_expert_parallel_rollout_names_the_rank_that_ran_the_expert(tmp_path, capsys):
+def test_an_expert_gemm_that_follows_the_rows_is_traced_to_the_rank_that_ran_the_expert(tmp_path, capsys):
     """An expert sees the same rows on any EP degree; what follows the degree is grouped_experts' choice of
-    one batched GEMM over the experts a rank holds or one GEMM per expert, and below 16 rows (the baseline
-    does not pad) those round differently. This workload's decode steps make a rank choose otherwise than
-    one process does (1 of 120 log-probs differs)."""
+    one batched GEMM over the experts a rank holds (rows: the largest expert's count) or one GEMM per
+    expert (rows: its own count). reference-no-order's GEMM reduces a lone last row differently, so on
+    every CPU a rank that chooses otherwise than one process does changes some expert row (2 of 120
+    log-probs differ here)."""
     workload = ["--model", "qwen3-moe-tiny", "--batch-size", "5", "--prompt-lens", "3,8", "--max-new-tokens", "24"]
-    out, b = _bisect(tmp_path, capsys, "--stack", "baseline", *workload, "--ep", "2", "--path", "rollout")
+    out, b = _bisect(tmp_path, capsys, "--stack", "reference-no-order", *workload, "--ep", "2", "--path", "rollout")
     print(out)
     cause = _cause(b)
     assert cause["point"].endswith(".experts") and "all_to_all" in cause["collective"]

@@ -112,7 +112,8 @@ def test_threads_default_to_omp_num_threads_else_1_and_are_reported(tmp_path, ca
     before = torch.get_num_threads()
     path = tmp_path / "run.json"
     assert main(["run", *QUICK, "--stack", "reference", *flag, "--json", str(path)]) == 0
-    assert capsys.readouterr().out.splitlines()[0].endswith(f", {threads} thread{'s' * (threads > 1)}")
+    platform = capsys.readouterr().out.splitlines()[1]  # the header's second line
+    assert platform.startswith("platform: ") and f", {threads} thread{'s' * (threads > 1)}, " in platform
     assert json.loads(path.read_text())["platform"]["threads"] == threads
     assert torch.get_num_threads() == before  # restored for in-process callers
 

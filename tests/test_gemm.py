@@ -1,13 +1,14 @@
 """logdiff's GEMM: one reduction order by construction, checked as properties over shapes nobody tuned for.
 
 Row i of an M-row call equals the 1-row call bit for bit, per tier, for M 1..4096, at the GEMM shapes of
-every published Qwen3 model, with 1 and 2 threads and both weight layouts; the tiers agree with each other;
-the result is the fp32 GEMM (near fp64); a machine without a compiler gets one line.
+every published Qwen3 model, with 1 and 2 threads and both weight layouts; the FMA tiers agree with each
+other; every tier is an fp32-accumulated GEMM (near fp64); a machine without a compiler gets one line.
 """
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,7 +47,12 @@ def gemm_shapes() -> list[tuple[str, int, int]]:
 SHAPES = gemm_shapes()
 # Products per example: past it the M-row call keeps a window of the weight's columns (at its offset in
 # the real weight, so packing and tails see real strides); K, which fixes the reduction, is always whole.
-BUDGET = {"avx512": 4e8, "avx2": 2e8, "portable": 1.5e7}
+BUDGET = {"amx-bf16": 4e8, "avx512-bf16": 3e8, "avx512": 4e8, "avx2": 2e8, "portable": 1.5e7}
+ALL_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def dtypes_of(tier: str) -> list[torch.dtype]:
+    return [torch.bfloat16] if tier in gemm.BF16_TIERS else ALL_DTYPES
 # Elements of x at most (64 MiB in fp32): M stays whole up to 4096 for K <= 4096, down to 655 at K 25600.
 X_ELEMENTS = 2**24
 
@@ -66,7 +72,7 @@ def first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
 def test_row_of_an_m_row_call_equals_the_one_row_call(tier, data):
     name, k, n = data.draw(st.sampled_from(SHAPES), label="shape")
     m = data.draw(st.integers(1, 4096), label="M")
-    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), label="dtype")
+    dtype = data.draw(st.sampled_from(dtypes_of(tier)), label="dtype")
     k_major = data.draw(st.booleans(), label="K-major weight")
     threads = data.draw(st.sampled_from([1, 2]), label="threads")
     m = max(1, min(m, X_ELEMENTS // k))
@@ -91,24 +97,27 @@ def test_row_of_an_m_row_call_equals_the_one_row_call(tier, data):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m,k,n", [(1, 2048, 768), (7, 768, 2048), (130, 1024, 300), (33, 3000, 65), (2, 5, 3)])
-def test_every_tier_computes_the_same_bits(dtype, m, k, n):
+def test_every_fma_tier_computes_the_same_bits(dtype, m, k, n):
     gen = torch.Generator().manual_seed(m + k + n)
     x, w = torch.randn(m, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype)
-    results = {tier: gemm.mm(x, w.mT, tier) for tier in gemm.tiers_here()}
+    results = {tier: gemm.mm(x, w.mT, tier) for tier in gemm.tiers_here() if tier in gemm.FMA_TIERS}
     portable = results["portable"]
     for tier, out in results.items():
         assert torch.equal(bits(out), bits(portable)), f"{tier} vs portable: {first_difference(out, portable)}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_it_is_the_fp32_gemm_of_the_stored_values(dtype):
+@pytest.mark.parametrize("m,k,n", [(50, 1500, 70), (130, 64, 8), (1, 2048, 8), (33, 3000, 65), (40, 96, 31)])
+@pytest.mark.parametrize("k_major", [False, True])
+@pytest.mark.parametrize("tier,dtype", [(t, d) for t in gemm.tiers_here() for d in dtypes_of(t)])
+def test_it_is_the_fp32_gemm_of_the_stored_values(tier, dtype, k_major, m, k, n):
+    """Ragged and narrow shapes too: N under one panel or tile (a MoE router's 8 experts), K off the step."""
     gen = torch.Generator().manual_seed(1)
-    x, w = torch.randn(50, 1500, generator=gen).to(dtype), torch.randn(70, 1500, generator=gen).to(dtype)
+    x, w = torch.randn(m, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype)
     exact = x.double() @ w.double().T
-    out = gemm.mm(x, w.mT)
+    out = gemm.mm(x, (w.mT.contiguous() if k_major else w.mT), tier)
     assert out.dtype == torch.float32
     # sequential fp32 accumulation: |error| <= K * eps32 * sum |x_k w_k| (a loose, always-valid bound)
-    bound = 1500 * 2**-24 * (x.double().abs() @ w.double().abs().T)
+    bound = k * 2**-24 * (x.double().abs() @ w.double().abs().T)
     assert ((out.double() - exact).abs() <= bound).all()
     assert (out.double() - exact).abs().max() < 1e-3
 
@@ -142,13 +151,19 @@ def test_backward_uses_the_same_gemm_and_is_deterministic():
 
 def test_a_tier_the_cpu_cannot_run_is_one_line(monkeypatch):
     monkeypatch.setenv("LOGDIFF_GEMM_TIER", "avx1024")
-    gemm.tier.cache_clear()
+    gemm.tiers.cache_clear()
     try:
         with pytest.raises(gemm.UserError, match="LOGDIFF_GEMM_TIER=avx1024 does not run on this CPU; choose one of"):
-            gemm.tier()
+            gemm.tiers()
     finally:
         monkeypatch.delenv("LOGDIFF_GEMM_TIER")
-        gemm.tier.cache_clear()
+        gemm.tiers.cache_clear()
+
+
+def test_a_bf16_tier_takes_bf16_operands_only():
+    for tier in set(gemm.tiers_here()) & set(gemm.BF16_TIERS):
+        with pytest.raises(RuntimeError, match="the bf16 tiers take bfloat16 operands only"):
+            gemm.mm(torch.ones(2, 3), torch.ones(3, 4), tier)
 
 
 def test_a_machine_without_a_compiler_gets_one_line(tmp_path):
@@ -159,3 +174,19 @@ def test_a_machine_without_a_compiler_gets_one_line(tmp_path):
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
     assert "this machine has no c++; install a C++ compiler and ninja" in out.stderr + out.stdout
+
+
+def test_a_build_that_was_killed_leaves_nothing_that_blocks_the_next(tmp_path):
+    """What a killed build of torch's extension loader leaves (its lock files, an unfinished object) in
+    the cache must not make the next process wait or load half a library."""
+    env = {**os.environ, "LOGDIFF_CACHE": str(tmp_path)}
+    probe = "from logdiff.kernels import gemm; print(gemm.tiers()['bf16'])"
+    folder = Path(subprocess.run([sys.executable, "-c", "from logdiff.kernels import gemm; print(gemm.cache_dir())"],
+                                 env=env, capture_output=True, text=True, check=True).stdout.strip())
+    for leftover in (folder / "lock", folder / ".ninja_lock", folder / ".build-killed" / "lock"):
+        leftover.parent.mkdir(parents=True, exist_ok=True)
+        leftover.touch()
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] in gemm.TIERS
+    assert (folder / "logdiff_gemm.so").exists()

@@ -6,8 +6,16 @@
 // vector width, the thread count and the operands' strides only decide WHICH elements are computed
 // together and WHEN; a K block stores the accumulator in fp32 and the next block resumes it, so the
 // sequence of roundings each element sees is the same whatever M, N, threads or layout are. K is never
-// split across threads: a thread owns whole output elements. The three tiers (AVX-512, AVX2+FMA,
+// split across threads: a thread owns whole output elements. The three FMA tiers (AVX-512, AVX2+FMA,
 // portable std::fma) therefore give the same bits as each other.
+//
+// Two tiers take bf16 x bf16 only, reading both as stored (2 bytes) into fp32 accumulators: AVX512-BF16
+// (vdpbf16ps) and AMX-BF16 (tdpbf16ps). Their step is the hardware's dot product of a PAIR of k (k even
+// and k+1), pairs in ascending order; AMX's tiles take 16 pairs per instruction, in ascending order, and
+// a K block resumes the fp32 accumulator as above. The step differs from one FMA per k (and between
+// the two), so their bits differ from the FMA tiers', but within a tier each element still sees one
+// sequence fixed by K alone: rows, columns and K padding are zeros the hardware multiplies and the
+// element never sees from its neighbours.
 //
 // The result is fp32; the caller rounds it once to the output dtype.
 
@@ -15,7 +23,11 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include <cpuid.h>
 #include <immintrin.h>
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -25,7 +37,7 @@
 
 namespace {
 
-enum Tier : int64_t { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };
+enum Tier : int64_t { PORTABLE = 0, AVX2 = 1, AVX512 = 2, AVX512_BF16 = 3, AMX_BF16 = 4 };
 
 // Block sizes (a choice of speed, never of bits): a packed B block of KC x NC and an A block of MC x KC
 // stay in L2 while the micro-kernel sweeps them.
@@ -173,21 +185,33 @@ void micro(Tier tier, int rows, int64_t kc, const float* ap, const TB* b, int64_
 
 // ------------------------------------------------------------------------------------------- driver
 
-// out[b] (fp32 [M, N], contiguous) = a[b] @ bm[b]. A task owns an (N block, M range) of one batch item,
-// whole K: the partition decides nothing about any element's reduction.
+// Tasks: a task owns an (N block, M range) of one batch item, whole K, so the partition decides nothing
+// about any element's reduction. M ranges (whole MC blocks) give every thread work when N alone does not.
+struct Plan {
+  int64_t n_blocks, m_blocks_per_task, m_tasks, tasks;
+
+  Plan(int64_t batch, int64_t M, int64_t N) {
+    n_blocks = (N + NC - 1) / NC;
+    const int64_t m_blocks_total = (M + MC - 1) / MC;
+    const int64_t want = std::max<int64_t>(1, (2 * at::get_num_threads() + batch * n_blocks - 1) / (batch * n_blocks));
+    const int64_t ranges = std::min(want, m_blocks_total);
+    m_blocks_per_task = (m_blocks_total + ranges - 1) / ranges;
+    m_tasks = (m_blocks_total + m_blocks_per_task - 1) / m_blocks_per_task;
+    tasks = batch * n_blocks * m_tasks;
+  }
+  int64_t batch_item(int64_t task) const { return task / (n_blocks * m_tasks); }
+  int64_t n_block(int64_t task) const { return (task / m_tasks) % n_blocks; }
+  int64_t m_lo(int64_t task) const { return (task % m_tasks) * m_blocks_per_task * MC; }
+  int64_t m_hi(int64_t task, int64_t M) const { return std::min(M, m_lo(task) + m_blocks_per_task * MC); }
+};
+
+// out[b] (fp32 [M, N], contiguous) = a[b] @ bm[b] on an FMA tier.
 template <typename TA, typename TB>
 void gemm(Tier tier, Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_t K, float* out) {
   const int64_t width = panel_width(tier);
-  const int64_t n_blocks = (N + NC - 1) / NC;
-  const int64_t threads = at::get_num_threads();
-  // M ranges: enough tasks for every thread when N alone does not give them, in whole MC blocks.
-  const int64_t m_blocks_total = (M + MC - 1) / MC;
-  const int64_t want = std::max<int64_t>(1, (2 * threads + batch * n_blocks - 1) / (batch * n_blocks));
-  const int64_t m_blocks_per_task = (m_blocks_total + std::min(want, m_blocks_total) - 1) / std::min(want, m_blocks_total);
-  const int64_t m_tasks = (m_blocks_total + m_blocks_per_task - 1) / m_blocks_per_task;
-  const int64_t tasks = batch * n_blocks * m_tasks;
+  const Plan plan(batch, M, N);
 
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, plan.tasks, 1, [&](int64_t begin, int64_t end) {
     // Per thread, kept between calls: a decode step makes hundreds of small GEMMs.
     thread_local std::vector<float> apack, tile;
     thread_local std::vector<TB> bpack;
@@ -195,14 +219,12 @@ void gemm(Tier tier, Strided a, Strided bm, int64_t batch, int64_t M, int64_t N,
     bpack.resize(KC * ((NC + width - 1) / width) * width);
     tile.resize(MR * width);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bi = task / (n_blocks * m_tasks);
-      const int64_t nb = (task / m_tasks) % n_blocks;
-      const int64_t mt = task % m_tasks;
+      const int64_t bi = plan.batch_item(task);
       const TA* a_base = static_cast<const TA*>(a.data) + bi * a.batch;
       const TB* b_base = static_cast<const TB*>(bm.data) + bi * bm.batch;
       float* c_base = out + bi * M * N;
-      const int64_t n0 = nb * NC, nc = std::min(NC, N - n0);
-      const int64_t m_lo = mt * m_blocks_per_task * MC, m_hi = std::min(M, m_lo + m_blocks_per_task * MC);
+      const int64_t n0 = plan.n_block(task) * NC, nc = std::min(NC, N - n0);
+      const int64_t m_lo = plan.m_lo(task), m_hi = plan.m_hi(task, M);
       // B is read in place when its columns are contiguous and whole panels; otherwise packed.
       const bool in_place = bm.col == 1 && (tier == PORTABLE || nc % width == 0);
       const int64_t ldb_packed = (nc + width - 1) / width * width;
@@ -244,6 +266,227 @@ void gemm(Tier tier, Strided a, Strided bm, int64_t batch, int64_t M, int64_t N,
   });
 }
 
+// ------------------------------------------------------------------- bf16 pair tiers (AVX512-BF16, AMX)
+
+using bf16 = c10::BFloat16;
+
+// Two bf16 of consecutive k as one 32-bit word, the even k in the low half: what vdpbf16ps and tdpbf16ps read.
+inline uint32_t pair(bf16 even, bf16 odd) { return uint32_t(even.x) | (uint32_t(odd.x) << 16); }
+
+// B[k0:k0+kc, n0:n0+nc] -> words [pairs][ldb]: word (p, n) = (b[2p][n], b[2p+1][n]); zeros past kc and nc.
+void pack_b_pairs(const bf16* b, int64_t rs, int64_t cs, int64_t kc, int64_t nc, int64_t pairs, int64_t ldb,
+                  uint32_t* out) {
+  const bf16 zero(0.0f);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const bf16* even = b + 2 * p * rs;
+    const bool has_odd = 2 * p + 1 < kc, has_even = 2 * p < kc;
+    uint32_t* row = out + p * ldb;
+    for (int64_t n = 0; n < nc; ++n)
+      row[n] = pair(has_even ? even[n * cs] : zero, has_odd ? even[rs + n * cs] : zero);
+    std::fill(row + nc, row + ldb, 0u);
+  }
+}
+
+// A[m0:m0+mc, k0:k0+kc] -> words [rows][pairs] (row-major, `rows` >= mc rows, zeros past mc and kc). The
+// loop runs along A's contiguous dimension: a row of k, or (a weight stored K-major) a row of m.
+void pack_a_pairs(const bf16* a, int64_t rs, int64_t cs, int64_t mc, int64_t kc, int64_t rows, int64_t pairs,
+                  uint32_t* out) {
+  const bf16 zero(0.0f);
+  auto word = [&](int64_t m, int64_t p) {
+    const int64_t k = 2 * p;
+    return m < mc ? pair(k < kc ? a[m * rs + k * cs] : zero, k + 1 < kc ? a[m * rs + (k + 1) * cs] : zero) : 0u;
+  };
+  if (rs < cs) {
+    for (int64_t p = 0; p < pairs; ++p)
+      for (int64_t m = 0; m < rows; ++m) out[m * pairs + p] = word(m, p);
+  } else {
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t p = 0; p < pairs; ++p) out[m * pairs + p] = word(m, p);
+  }
+}
+
+// AVX512-BF16: ROWS rows of A (pair words, row stride lda) x 64 columns of packed B.
+template <int ROWS>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void micro_dpbf16(
+    int64_t pairs, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb, float* c, int64_t ldc, bool first) {
+  constexpr int NV = 4;
+  __m512 acc[ROWS][NV];
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + v * 16);
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_si512(b + p * ldb + v * 16);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512i av = _mm512_set1_epi32(static_cast<int>(a[r * lda + p]));
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)av, (__m512bh)bv[v]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(c + r * ldc + v * 16, acc[r][v]);
+}
+
+void micro_dpbf16_rows(int rows, int64_t pairs, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
+                       float* c, int64_t ldc, bool first) {
+  switch (rows) {
+    case 1: return micro_dpbf16<1>(pairs, a, lda, b, ldb, c, ldc, first);
+    case 2: return micro_dpbf16<2>(pairs, a, lda, b, ldb, c, ldc, first);
+    case 3: return micro_dpbf16<3>(pairs, a, lda, b, ldb, c, ldc, first);
+    case 4: return micro_dpbf16<4>(pairs, a, lda, b, ldb, c, ldc, first);
+    case 5: return micro_dpbf16<5>(pairs, a, lda, b, ldb, c, ldc, first);
+    case 6: return micro_dpbf16<6>(pairs, a, lda, b, ldb, c, ldc, first);
+  }
+}
+
+// out[b] = a[b] @ bm[b], bf16 x bf16 on AVX512-BF16. Per K block (KC): B and A packed to pair words
+// (zero k padding to even), each MR x 64 micro-block resuming its fp32 accumulators.
+void gemm_dpbf16(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_t K, float* out) {
+  constexpr int64_t width = 64;
+  const Plan plan(batch, M, N);
+  at::parallel_for(0, plan.tasks, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint32_t> apack, bpack;
+    thread_local std::vector<float> tile;
+    const int64_t ldb = (NC + width - 1) / width * width, pairs_max = KC / 2;
+    apack.resize(((MC + MR - 1) / MR) * MR * pairs_max);
+    bpack.resize(pairs_max * ldb);
+    tile.resize(MR * width);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bi = plan.batch_item(task);
+      const bf16* a_base = static_cast<const bf16*>(a.data) + bi * a.batch;
+      const bf16* b_base = static_cast<const bf16*>(bm.data) + bi * bm.batch;
+      float* c_base = out + bi * M * N;
+      const int64_t n0 = plan.n_block(task) * NC, nc = std::min(NC, N - n0);
+      const int64_t m_lo = plan.m_lo(task), m_hi = plan.m_hi(task, M);
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = std::min(KC, K - k0);
+        const int64_t pairs = (kc + 1) / 2;
+        pack_b_pairs(b_base + k0 * bm.row + n0 * bm.col, bm.row, bm.col, kc, nc, pairs, ldb, bpack.data());
+        for (int64_t m0 = m_lo; m0 < m_hi; m0 += MC) {
+          const int64_t mc = std::min(MC, m_hi - m0);
+          pack_a_pairs(a_base + m0 * a.row + k0 * a.col, a.row, a.col, mc, kc, mc, pairs, apack.data());
+          for (int64_t i = 0; i < mc; i += MR) {
+            const int rows = static_cast<int>(std::min<int64_t>(MR, mc - i));
+            const uint32_t* ap = apack.data() + i * pairs;
+            float* c = c_base + (m0 + i) * N + n0;
+            for (int64_t j = 0; j < nc; j += width) {
+              const int64_t cols = std::min(width, nc - j);
+              if (cols == width) {
+                micro_dpbf16_rows(rows, pairs, ap, pairs, bpack.data() + j, ldb, c + j, N, k0 == 0);
+                continue;
+              }
+              // a partial panel runs on a staging tile; its zero columns are computed, not kept
+              if (k0 > 0)
+                for (int r = 0; r < rows; ++r)
+                  for (int64_t q = 0; q < cols; ++q) tile[r * width + q] = c[r * N + j + q];
+              micro_dpbf16_rows(rows, pairs, ap, pairs, bpack.data() + j, ldb, tile.data(), width, k0 == 0);
+              for (int r = 0; r < rows; ++r)
+                for (int64_t q = 0; q < cols; ++q) c[r * N + j + q] = tile[r * width + q];
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+// AMX-BF16, computed as C^T = W X^T: a weight [N, K] as stored (a B of row stride 1) is read in place as
+// the tiles' A operand, 16 rows of 32 k each, so a decode step streams the weight once and packs only
+// its few activation rows. Tiles 0-3 hold a 32 (n) x 32 (m) block of C^T, 4-5 two 16-row slices of W,
+// 6-7 two 16-column slices of X's pairs. Per element it is the same sequence as C = X W^T: products of a
+// pair commute, the pairs and tdpbf16ps steps go in ascending k either way.
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+__attribute__((target("amx-tile"))) void amx_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  // Not _tile_loadconfig: GCC 12's macro tells the compiler it reads 8 bytes, so the stores above vanish.
+  asm volatile("ldtilecfg %0" ::"m"(cfg));
+}
+
+__attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
+
+// ct (out): a 32 x 32 fp32 block of C^T at stride 32 floats, over all of K; w: 32 rows of `pairs` words,
+// row_bytes apart (two tiles of 16 rows); x: `pairs` rows of 32 words at stride ldx. `pairs` is a
+// multiple of 16.
+__attribute__((target("amx-tile,amx-bf16"))) void micro_amx(int64_t pairs, const char* w, int64_t row_bytes,
+                                                           const uint32_t* x, int64_t ldx, float* ct) {
+  constexpr int64_t LDC = 32 * 4;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t p = 0; p < pairs; p += 16) {
+    _tile_loadd(4, w + 4 * p, row_bytes);
+    _tile_loadd(5, w + 16 * row_bytes + 4 * p, row_bytes);
+    _tile_loadd(6, x + p * ldx, ldx * 4);
+    _tile_loadd(7, x + p * ldx + 16, ldx * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, ct, LDC);
+  _tile_stored(1, ct + 16, LDC);
+  _tile_stored(2, ct + 16 * 32, LDC);
+  _tile_stored(3, ct + 16 * 32 + 16, LDC);
+}
+
+// Per task: X^T's pairs packed once for the whole K (per MC rows), then each 32 x 32 block of C^T stays in
+// its tiles from the first k to the last and is stored once. The weight's 32 rows are read in place when
+// they are rows of whole words (row stride 1, K a multiple of 32), else packed once per 32 rows.
+void gemm_amx(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_t K, float* out) {
+  constexpr int64_t BLOCK = 32;  // the C^T block: 32 weight rows x 32 activation rows
+  const Plan plan(batch, M, N);
+  const int64_t pairs = (K + 31) / 32 * 16, ldx = (MC + BLOCK - 1) / BLOCK * BLOCK;
+  const bool w_in_place = bm.row == 1 && K % 32 == 0;
+  at::parallel_for(0, plan.tasks, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint32_t> xpack, wpack;
+    thread_local std::vector<float> ct;
+    xpack.resize(pairs * ldx);
+    wpack.resize(BLOCK * pairs);
+    ct.resize(BLOCK * BLOCK);
+    amx_configure();  // per chunk: other code (oneDNN) may have loaded its own tile configuration
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bi = plan.batch_item(task);
+      const bf16* a_base = static_cast<const bf16*>(a.data) + bi * a.batch;
+      const bf16* b_base = static_cast<const bf16*>(bm.data) + bi * bm.batch;
+      float* c_base = out + bi * M * N;
+      const int64_t n0 = plan.n_block(task) * NC, nc = std::min(NC, N - n0);
+      const int64_t m_lo = plan.m_lo(task), m_hi = plan.m_hi(task, M);
+      for (int64_t m0 = m_lo; m0 < m_hi; m0 += MC) {
+        const int64_t mc = std::min(MC, m_hi - m0);
+        // word (p, m) = (x[m][2p], x[m][2p+1]), zero columns up to whole blocks, zero pairs past K
+        pack_b_pairs(a_base + m0 * a.row, a.col, a.row, K, mc, pairs, ldx, xpack.data());
+        for (int64_t j = 0; j < nc; j += BLOCK) {
+          const int64_t cols = std::min(BLOCK, nc - j);
+          const bf16* wb = b_base + (n0 + j) * bm.col;
+          const char* w = reinterpret_cast<const char*>(wb);
+          int64_t row_bytes = bm.col * 2;
+          if (!w_in_place || cols < BLOCK) {
+            pack_a_pairs(wb, bm.col, bm.row, cols, K, BLOCK, pairs, wpack.data());
+            w = reinterpret_cast<const char*>(wpack.data());
+            row_bytes = pairs * 4;
+          }
+          for (int64_t i = 0; i < mc; i += BLOCK) {
+            const int64_t rows = std::min(BLOCK, mc - i);
+            micro_amx(pairs, w, row_bytes, xpack.data() + i, ldx, ct.data());
+            float* c = c_base + (m0 + i) * N + n0 + j;
+            for (int64_t r = 0; r < rows; ++r)
+              for (int64_t q = 0; q < cols; ++q) c[r * N + q] = ct[q * BLOCK + r];
+          }
+        }
+      }
+    }
+    amx_release();
+  });
+}
+
 template <typename TA>
 void gemm_b(Tier tier, Strided a, Strided b, at::ScalarType tb, int64_t batch, int64_t M, int64_t N, int64_t K,
             float* out) {
@@ -255,14 +498,36 @@ void gemm_b(Tier tier, Strided a, Strided b, at::ScalarType tb, int64_t batch, i
   }
 }
 
+bool cpuid_bit(unsigned leaf, unsigned subleaf, int reg, int bit) {
+  unsigned r[4];
+  if (!__get_cpuid_count(leaf, subleaf, &r[0], &r[1], &r[2], &r[3])) return false;
+  return (r[reg] >> bit) & 1;
+}
+
+// Linux hands out the AMX tile state only to a process that asks for it.
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return permitted;
+}
+
 bool cpu_has(Tier tier) {
   __builtin_cpu_init();
-  if (tier == AVX512) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                             __builtin_cpu_supports("avx512vl");
-  if (tier == AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                           __builtin_cpu_supports("f16c");
-  return true;
+  constexpr int EAX = 0, EDX = 3;
+  switch (tier) {
+    case PORTABLE: return true;
+    case AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case AVX512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+    case AVX512_BF16: return cpu_has(AVX512) && cpuid_bit(7, 1, EAX, 5);
+    case AMX_BF16: return cpuid_bit(7, 0, EDX, 22) && cpuid_bit(7, 0, EDX, 24) && amx_permitted();
+  }
+  return false;
 }
+
+bool tier_runs(int64_t tier) { return tier >= PORTABLE && tier <= AMX_BF16 && cpu_has(static_cast<Tier>(tier)); }
 
 // a [batch, M, K], b [batch, K, N], any strides -> fp32 [batch, M, N].
 at::Tensor mm(const at::Tensor& a, const at::Tensor& b, int64_t tier) {
@@ -270,8 +535,7 @@ at::Tensor mm(const at::Tensor& a, const at::Tensor& b, int64_t tier) {
   TORCH_CHECK(a.size(0) == b.size(0) && a.size(2) == b.size(1), "logdiff mm: shapes ", a.sizes(), " and ", b.sizes(),
               " do not multiply");
   TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu(), "logdiff mm: CPU tensors expected");
-  TORCH_CHECK(tier >= PORTABLE && tier <= AVX512 && cpu_has(static_cast<Tier>(tier)),
-              "logdiff mm: tier ", tier, " does not run on this CPU");
+  TORCH_CHECK(tier_runs(tier), "logdiff mm: tier ", tier, " does not run on this CPU");
   const int64_t batch = a.size(0), M = a.size(1), K = a.size(2), N = b.size(2);
   at::Tensor out = at::empty({batch, M, N}, a.options().dtype(at::kFloat));
   if (out.numel() == 0) return out;
@@ -280,6 +544,13 @@ at::Tensor mm(const at::Tensor& a, const at::Tensor& b, int64_t tier) {
   Strided sb{b.data_ptr(), b.stride(0), b.stride(1), b.stride(2)};
   float* o = out.data_ptr<float>();
   const Tier t = static_cast<Tier>(tier);
+  if (t == AVX512_BF16 || t == AMX_BF16) {
+    TORCH_CHECK(a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16,
+                "logdiff mm: the bf16 tiers take bfloat16 operands only");
+    if (t == AMX_BF16) gemm_amx(sa, sb, batch, M, N, K, o);
+    else gemm_dpbf16(sa, sb, batch, M, N, K, o);
+    return out;
+  }
   switch (a.scalar_type()) {
     case at::kFloat: gemm_b<float>(t, sa, sb, b.scalar_type(), batch, M, N, K, o); break;
     case at::kBFloat16: gemm_b<c10::BFloat16>(t, sa, sb, b.scalar_type(), batch, M, N, K, o); break;
@@ -288,8 +559,6 @@ at::Tensor mm(const at::Tensor& a, const at::Tensor& b, int64_t tier) {
   }
   return out;
 }
-
-bool tier_runs(int64_t tier) { return tier >= PORTABLE && tier <= AVX512 && cpu_has(static_cast<Tier>(tier)); }
 
 }  // namespace
 

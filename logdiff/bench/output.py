@@ -47,11 +47,15 @@ def targets(result: dict) -> list[dict]:
     return rows
 
 
+def _tiers(result: dict) -> str:
+    return ", ".join(f"{dtypes} {tier}" for dtypes, tier in result.get("gemm_tiers", {}).items()) or "tiers not recorded"
+
+
 def print_summary(result: dict) -> None:
     parallel = result.get("parallel") or {}
     sharded = (", sharded " + " ".join(f"{k} {v}" for k, v in parallel.items())) if parallel else ""
     print(f"logdiff bench: {result['model']} {result['dtype']}{sharded}, {result['repeats']} interleaved repeats, "
-          f"{result['threads']} threads, load average {result['loadavg']['before'][0]:.2f} -> "
+          f"{result['threads']} threads, logdiff GEMM {_tiers(result)}, load average {result['loadavg']['before'][0]:.2f} -> "
           f"{result['loadavg']['after'][0]:.2f}, {result['wall_seconds']:.0f} s")
     rows = []
     for case, r in result["cases"].items():

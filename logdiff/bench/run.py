@@ -21,6 +21,7 @@ from logdiff.bench.cases import CASES, Measurement, measure, token_agreement
 from logdiff.bench.kernel_cases import KERNEL_CASES, measure_kernel
 from logdiff.bench.limits import ModelCosts, case_bound, measure_machine
 from logdiff.bench.profile import profile_case
+from logdiff.kernels import gemm
 from logdiff.oracle import Oracle, fidelity
 from logdiff.stacks import KERNEL_STACKS
 from logdiff.weights import ModelSpec, parse_dtype
@@ -56,7 +57,7 @@ def run_bench(names: list[str], cases: list[str], model: str, dtype: str, repeat
         "model": model, "dtype": dtype, "stacks": names, "parallel": layout or {}, "cases": results, "repeats": repeats,
         "machine": machine,
         "loadavg": {"before": list(load_before), "after": list(os.getloadavg())},
-        "threads": torch.get_num_threads(), "wall_seconds": time.perf_counter() - started,
+        "threads": torch.get_num_threads(), "gemm_tiers": gemm.tiers(), "wall_seconds": time.perf_counter() - started,
     }
 
 

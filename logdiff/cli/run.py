@@ -40,8 +40,8 @@ def cmd_run(args) -> int:
     if args.json:
         report.check_writable(args.json)
     dump = report.output_dir(args.dump, "--dump") if args.dump else None
-    print(f"logdiff run: {workload.describe()}" + (f", parallel {layout}" if layout else "")
-          + f", {report.threads()}")
+    print(f"logdiff run: {workload.describe()}" + (f", parallel {layout}" if layout else ""))
+    print(report.platform_line(report.platform_info()))
     rows, results, problems = [], [], []
     rollout_side, trainer_side = StackCache(), StackCache()
     oracle = None

@@ -1,0 +1,57 @@
+"""The reductions outside the GEMM, as properties over Qwen3's shapes: a row's bits do not depend on how
+many rows share the call or on the thread count (RMSNorm over every Qwen3 hidden size, the log-softmax
+over Qwen3's vocabulary). The GEMM's own property is tests/test_gemm.py's."""
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from logdiff.kernels.logsoftmax import token_logprobs
+from logdiff.kernels.norm import rms_norm
+
+HIDDEN_SIZES = [1024, 2048, 2560, 4096, 5120]  # Qwen3 0.6B, 1.7B and 30B-A3B, 4B, 8B and 235B-A22B, 14B and 32B
+VOCAB = 151936
+
+
+def _rows_alone_and_together(fn, x, rows, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = fn(x)[rows]
+        alone = torch.cat([fn(x[i:i + 1]) for i in rows])
+    finally:
+        torch.set_num_threads(before)
+    return together, alone
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hidden=st.sampled_from(HIDDEN_SIZES), m=st.integers(1, 4096), threads=st.sampled_from([1, 2]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), data=st.data())
+def test_rms_norm_row_does_not_depend_on_the_rows_beside_it(hidden, m, threads, dtype, data):
+    gen = torch.Generator().manual_seed(m + hidden)
+    x = torch.randn(m, hidden, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    rows = sorted({0, m - 1, data.draw(st.integers(0, m - 1), label="row")})
+    together, alone = _rows_alone_and_together(lambda t: rms_norm(t, weight, 1e-6), x, rows, threads)
+    assert torch.equal(together.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       alone.view(torch.int16 if dtype != torch.float32 else torch.int32)), f"hidden {hidden} M {m}"
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(m=st.integers(1, 96), threads=st.sampled_from([1, 2]), temperature=st.sampled_from([0.0, 0.7, 1.0]),
+       data=st.data())
+def test_token_logprob_row_does_not_depend_on_the_rows_beside_it(m, threads, temperature, data):
+    gen = torch.Generator().manual_seed(m)
+    logits = 3 * torch.randn(m, VOCAB, generator=gen)
+    targets = torch.randint(VOCAB, (m,), generator=gen)
+    temperatures = torch.full((m,), temperature)
+    rows = sorted({0, m - 1, data.draw(st.integers(0, m - 1), label="row")})
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = token_logprobs(logits, targets, temperatures)[rows]
+        alone = torch.cat([token_logprobs(logits[i:i + 1], targets[i:i + 1], temperatures[i:i + 1]) for i in rows])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(together.view(torch.int32), alone.view(torch.int32)), f"M {m}"
+
