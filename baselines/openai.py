@@ -158,7 +158,7 @@ def openai_hf_stack(spec, dtype, max_model_len):
 
 def openai_unavailable() -> str | None:
     if not os.environ.get("LOGDIFF_SERVER_URL"):
-        return "needs --server-url URL (or LOGDIFF_SERVER_URL)"
+        return "needs a server: pass --server-url URL (or set LOGDIFF_SERVER_URL)"
     return None
 
 

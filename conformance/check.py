@@ -7,7 +7,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 from logdiff import remote, report
+from logdiff.errors import UserError
 from logdiff.report import progress
 
 from . import CATALOGUE, property_of
@@ -16,22 +19,30 @@ from .plugin import pytest_report_header, stack_info
 RESULT_FILES = ("check.json", "check.md", "conformance.svg", "logdiff.svg")
 
 
-def run_catalogue(stack: str, selected: list[str], xfails_file: str | None, options: list[str] = ()) -> Collector:
-    """The catalogue's tests of the `selected` properties on `stack`, in this process, one progress line per test."""
-    import pytest
-
+def run_catalogue(stack: str, selected: list[str], xfails_file: str | None, options: list[str] = (),
+                  keyword: str | None = None) -> Collector:
+    """The catalogue's tests of the `selected` properties on `stack` (and matching pytest's -k `keyword`), in this
+    process, one progress line per test."""
     # pytest's own terminal output gives way to the progress lines and the table; addopts (-ra) need it.
-    pytest_args = [str(Path(__file__).parent), f"--stack={stack}", "-p", "no:cacheprovider",
+    pytest_args = [str(Path(__file__).parent), f"--stack={stack}", "--import-mode=importlib", "-p", "no:cacheprovider",
                    "-p", "no:terminal", "-o", "addopts=", *options]
     if xfails_file:
         pytest_args.append(f"--xfails-file={xfails_file}")
-    if selected != list(CATALOGUE):
-        pytest_args += ["-k", " or ".join(f"test_c{p[1:]}_" for p in selected)]
+    keywords = [] if selected == list(CATALOGUE) else [" or ".join(f"test_c{p[1:]}_" for p in selected)]
+    keywords += [keyword] if keyword else []
+    if keywords:
+        pytest_args += ["-k", " and ".join(f"({k})" for k in keywords)]
     collector = Collector()
-    progress(f"logdiff check: stack {stack}, properties {', '.join(selected)}")
+    progress(f"logdiff check: stack {stack}, properties {', '.join(selected)}" + (f", -k {keyword}" if keyword else ""))
     code = pytest.main(pytest_args, plugins=[collector])
     if code == pytest.ExitCode.INTERRUPTED:
         raise KeyboardInterrupt
+    if code == pytest.ExitCode.USAGE_ERROR and keyword:
+        raise UserError(f"-k {keyword!r} is not a pytest -k expression; pass a test id as a failure prints it, "
+                        "e.g. -k 'test_c3_rollout_matches_trainer[dense]'")
+    if code == pytest.ExitCode.NO_TESTS_COLLECTED:
+        raise UserError(f"no test of {', '.join(selected)} matches -k {keyword!r}; the test ids are in check.md, "
+                        "or pass a name such as test_c3_rollout_matches_trainer")
     if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED) or collector.errors:
         raise RuntimeError(f"the conformance run did not complete (pytest exit {int(code)}): {'; '.join(collector.errors)}")
     return collector
@@ -43,6 +54,7 @@ class TestResult:
     id: str
     property: str
     outcome: str | None = None  # pass, fail, xfail, xpass, skipped
+    failure: str = ""  # of a fail: "differ" (the property does not hold: bits differ, C0 bound exceeded) or "error"
     seconds: float = 0.0
     message: str = ""
     compared: list = field(default_factory=list)  # bitwise comparisons: what, values, bitwise_equal, max_abs_diff
@@ -79,10 +91,17 @@ class Collector:
         progress(f"{self.total} tests")
 
     def pytest_warning_recorded(self, warning_message, when, nodeid, location):
-        import pytest
-
         if isinstance(warning_message.message, pytest.PytestWarning):  # e.g. an xfails line naming no test
             progress(f"warning: {warning_message.message}")
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        report = yield
+        # A property that does not hold raises an AssertionError (PropertyViolation, DistinctFailures); anything
+        # else is the stack or its engine erring, which is not a bit difference and is counted apart.
+        if report.failed and call.excinfo is not None:
+            report.logdiff_failure = "differ" if call.excinfo.errisinstance(AssertionError) else "error"
+        return report
 
     def pytest_runtest_logstart(self, nodeid, location):
         self._starts_before = len(remote.START_SECONDS)
@@ -94,7 +113,10 @@ class Collector:
         result.compared += [v for k, v in report.user_properties if k == "compared" and v not in result.compared]
         result.fidelity += [v for k, v in report.user_properties if k in ("fidelity", "sampling") and v not in result.fidelity]
         outcome = _outcome(report)
-        if outcome == "fail" or (outcome and result.outcome is None):
+        if outcome == "fail" and result.outcome != "fail":  # the first failure decides (a teardown error may follow)
+            result.outcome, result.message = outcome, _message(report)
+            result.failure = getattr(report, "logdiff_failure", "error")
+        elif outcome and result.outcome is None:
             result.outcome, result.message = outcome, ("" if outcome == "pass" else _message(report))
         if report.when == "teardown":
             result.outcome = result.outcome or "pass"
@@ -130,11 +152,13 @@ def _message(report) -> str:
 
 
 def summarise(results: list[TestResult], selected: list[str], catalogue: dict) -> dict[str, dict]:
-    """Per property: counts per outcome, the verdict (fail > xfail > pass > skipped) and max |diff|."""
+    """Per property: counts per outcome (a fail is "differ" or "error"), the verdict (fail > xfail > pass > skipped),
+    the largest |a - b| of its bitwise pairs and the largest |logp - logp_fp64| (C0)."""
     out = {}
     for pid in selected:
         tests = [r for r in results if r.property == pid]
         counts = {o: sum(r.outcome == o for r in tests) for o in ("pass", "fail", "xfail", "xpass", "skipped")}
+        counts |= {kind: sum(r.outcome == "fail" and r.failure == kind for r in tests) for kind in ("differ", "error")}
         if counts["fail"]:
             verdict = "fail"
         elif counts["xfail"]:
@@ -144,16 +168,19 @@ def summarise(results: list[TestResult], selected: list[str], catalogue: dict) -
         else:
             verdict = "skipped"
         diffs = [c["max_abs_diff"] for r in tests for c in r.compared]
-        diffs += [f["max_abs_error"] for r in tests for f in r.fidelity if "max_abs_error" in f]
+        errors = [f["max_abs_error"] for r in tests for f in r.fidelity if "max_abs_error" in f]
         out[pid] = {"meaning": catalogue[pid], "tests": len(tests), **counts, "verdict": verdict,
-                    "max_abs_diff": max(diffs) if diffs else None}
+                    "max_abs_diff": max(diffs) if diffs else None, "max_abs_error_vs_fp64": max(errors) if errors else None}
     return out
 
 
 def overall_verdict(verdicts: dict[str, dict]) -> str:
-    """fail if a property fails; pass only if every property passes; partial if some were skipped or xfailed."""
+    """fail if a property fails; pass only if every property passes; skipped if the stack declined every one
+    (nothing ran); partial if some were skipped or xfailed."""
     found = {v["verdict"] for v in verdicts.values()}
-    return "fail" if "fail" in found else "pass" if found == {"pass"} else "partial"
+    if "fail" in found:
+        return "fail"
+    return "pass" if found == {"pass"} else "skipped" if found <= {"skipped"} else "partial"
 
 
 def max_abs_logdiff(results: list[TestResult]) -> float | None:
@@ -169,11 +196,20 @@ def fidelity_by_side(results: list[TestResult]) -> dict[str, float]:
     return out
 
 
+PAIRS_COLUMN, FP64_COLUMN = "max |a-b| bitwise pairs", "max |logp-fp64|"
+
+
 def table_rows(verdicts: dict[str, dict]) -> list[dict]:
+    """A row per property. `differ`: tests whose property does not hold; `error`: tests in which the stack erred.
+    The figures: the largest |a - b| over the property's bitwise pairs (rollout vs trainer, batch vs alone, ...),
+    and over its log-probs' distance from the fp64 oracle (C0)."""
+    def figure(x):
+        return "-" if x is None else report.fmt_float(x)
+
     return [
         {"property": pid, "what": v["meaning"].split(":")[0], "tests": v["tests"], "pass": v["pass"] + v["xpass"],
-         "fail": v["fail"], "xfail": v["xfail"], "skipped": v["skipped"], "verdict": v["verdict"],
-         "max abs diff": "-" if v["max_abs_diff"] is None else report.fmt_float(v["max_abs_diff"])}
+         "differ": v["differ"], "error": v["error"], "xfail": v["xfail"], "skipped": v["skipped"], "verdict": v["verdict"],
+         PAIRS_COLUMN: figure(v["max_abs_diff"]), FP64_COLUMN: figure(v["max_abs_error_vs_fp64"])}
         for pid, v in verdicts.items()
     ]
 

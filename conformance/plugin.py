@@ -8,6 +8,7 @@ that a stack declining a property (`Unsupported`) is reported as skipped, never 
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import warnings
 from pathlib import Path
 
@@ -119,11 +120,15 @@ def _declined_is_skipped(item):
 
 
 def reproducer(item, error: BaseException) -> str:
-    """The command lines that reproduce a failing test: the test itself, and `logdiff run` / `logdiff
-    bisect` on the workloads that failed (a generated test's error names them: logdiff.conformance.generated),
-    else on the last workload the test ran."""
-    stack = item.config.getoption("--stack")
-    lines = [f"reproduce: pytest --pyargs logdiff.conformance --stack {stack} -k '{item.name}'"]
+    """The command lines that reproduce a failing test, each runnable as printed from any directory (the models are
+    named configs): the test itself through `logdiff check`, and `logdiff run` / `logdiff bisect` on the workloads
+    that failed (a generated test's error names them: logdiff.conformance.generated), else on the last workload
+    the test ran."""
+    config = item.config
+    stack = shlex.quote(config.getoption("--stack"))
+    generated = "".join(f" {flag} {config.getoption(flag)}" for flag, default in (
+        ("--workload-seed", 0), ("--workload-examples", DEFAULT_EXAMPLES)) if config.getoption(flag) != default)
+    lines = [f"reproduce: logdiff check --stack {stack} -k {shlex.quote(item.name)}{generated}"]
     degrees, bisect_only = item.stash.get(_PARALLEL, ("", ""))
     for w in getattr(error, "workloads", None) or item.stash.get(_WORKLOADS, [])[-1:]:
         lines.append(f"reproduce: logdiff run --stack {stack} {w.command_line()}{degrees}")

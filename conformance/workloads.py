@@ -13,8 +13,7 @@ import torch
 from logdiff.api import Request
 from logdiff.config import NAMED_CONFIGS
 from logdiff.kernels.ablations import BREAKS_ON
-from logdiff.model import Qwen3ForCausalLM
-from logdiff.weights import load_state, random_state, save_checkpoint
+from logdiff.weights import ModelSpec, save_checkpoint
 from logdiff.workload import Workload
 
 BLOCK_EDGES = (1, 127, 128, 129, 17, 300)
@@ -55,18 +54,12 @@ def scored_sequences(workload: Workload, seed: int = 1):
 
 # C9: the router rows of these experts are copies, so each pair gets bitwise equal router logits on
 # every token; with top-4 of 8, a tie decides both which experts a token uses and their combine order.
-TIED_EXPERTS = ((0, 1), (2, 3))
-TIED_TOP_K = 4
+TIED_MODEL = "qwen3-moe-tiny-tied"
+TIED_EXPERTS = NAMED_CONFIGS[TIED_MODEL].tied_router_experts
+TIED_TOP_K = NAMED_CONFIGS[TIED_MODEL].num_experts_per_tok
 
 
 def write_tied_router_checkpoint(directory: Path, seed: int = 0) -> Path:
-    config = NAMED_CONFIGS["qwen3-moe-tiny"].replace(name="qwen3-moe-tiny-tied", num_experts_per_tok=TIED_TOP_K)
-    model = Qwen3ForCausalLM(config)
-    load_state(model, random_state(config, seed))
-    with torch.no_grad():
-        for i, layer in enumerate(model.model.layers):
-            if config.layer_is_moe(i):
-                for original, copy in TIED_EXPERTS:
-                    layer.mlp.gate.weight[copy] = layer.mlp.gate.weight[original]
-    save_checkpoint(model, directory)
+    """The tied model as a checkpoint directory (the same weights), for tests of checkpoint loading."""
+    save_checkpoint(ModelSpec(TIED_MODEL, seed).build(torch.float32), directory)
     return directory

@@ -28,6 +28,9 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)
+    # Seeded weights only: (original, copy) expert pairs whose router rows are copies, so each pair gets bitwise
+    # equal router logits on every token (conformance C9). A checkpoint carries its ties in its weights.
+    tied_router_experts: tuple[tuple[int, int], ...] = field(default_factory=tuple)
 
     @property
     def is_moe(self) -> bool:
@@ -127,6 +130,15 @@ NAMED_CONFIGS: dict[str, ModelConfig] = {
             name="qwen3-dense-tiny", vocab_size=1024, hidden_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=128,
             max_position_embeddings=4096,
+        ),
+        # C9's MoE routing ties: qwen3-moe-tiny with top-4 of 8 experts and the router rows of experts 1 and 3
+        # copies of 0 and 2, so a tie decides both which experts a token uses and their combine order. A named
+        # config (not a saved checkpoint) so that a failure's reproduce line runs anywhere.
+        ModelConfig(
+            name="qwen3-moe-tiny-tied", vocab_size=1024, hidden_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=128,
+            max_position_embeddings=4096, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=64,
+            tied_router_experts=((0, 1), (2, 3)),
         ),
         # For throughput: the 30B-A3B ratios (GQA 4:1, top-k/experts 1:16 with 8 active) at a CPU-sized scale.
         ModelConfig(

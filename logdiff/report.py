@@ -42,7 +42,7 @@ def platform_info() -> dict:
 def platform_line(p: dict) -> str:
     """The platform of a result in one line, the GEMM tiers that ran included (their bits differ)."""
     tiers = ", ".join(f"{dtypes} {tier}" for dtypes, tier in p["gemm_tiers"].items())
-    return f"platform: {p['machine']}, {p['processor']} ({p['cpu_capability']}), {p['threads']} threads, logdiff GEMM {tiers}"
+    return f"platform: {p['machine']}, {p['processor']} ({p['cpu_capability']}), {threads(p['threads'])}, logdiff GEMM {tiers}"
 
 
 def suite_commit() -> str:
@@ -98,9 +98,13 @@ def output_dir(path: str | os.PathLike, what: str) -> Path:
     return out
 
 
-def results_dir(*parts: str) -> Path:
-    """results/<machine>/...: where commands write by default."""
-    return Path("results", platform.node(), *parts)
+DEFAULT_OUT = "logdiff-out"
+
+
+def default_out(command: str, *parts: str) -> Path:
+    """./logdiff-out/<command>/...: where a command writes when not told (--out). Never the repository's committed
+    results/, which only the nox sessions that own them write, with an explicit --out."""
+    return Path(DEFAULT_OUT, command, *parts)
 
 
 def write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
@@ -158,6 +162,14 @@ def divergence_line(name: str, c) -> str | None:
 def progress(message: str) -> None:
     """A progress line: on stderr, so that stdout keeps only the result."""
     print(message, file=sys.stderr, flush=True)
+
+
+def threads(n: int | None = None) -> str:
+    """How many torch CPU threads compute (default: now), as every command's header says it."""
+    import torch
+
+    n = torch.get_num_threads() if n is None else n
+    return f"{n} thread{'s' * (n != 1)}"
 
 
 def fmt_float(x: float) -> str:

@@ -120,6 +120,16 @@ def unavailable(factory: StackFactory) -> str | None:
     return check() if check else None
 
 
+def require(name: str) -> StackFactory:
+    """`resolve`, and fail in one line before any work if the stack cannot run on this host (its engine is not
+    installed, no server named)."""
+    factory = resolve(name)
+    reason = unavailable(factory)
+    if reason:
+        raise UserError(f"stack {name!r} cannot run here: {reason}")
+    return factory
+
+
 def plugin_stacks() -> dict[str, str]:
     """Entry-point name -> `module:attr` of every installed plugin stack."""
     return {ep.name: ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}

@@ -90,6 +90,11 @@ def random_state(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
             state[name] = torch.randn(shape, generator=gen)
         else:
             state[name] = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+    for i in range(config.num_hidden_layers):
+        if config.layer_is_moe(i):
+            router = state[f"model.layers.{i}.mlp.gate.weight"]
+            for original, copy in config.tied_router_experts:
+                router[copy] = router[original]
     return state
 
 

@@ -18,7 +18,7 @@ def run_dir(tmp_path_factory):
     """One small `logdiff run` of reference and baseline, with its tensors dumped and its JSON written."""
     d = tmp_path_factory.mktemp("run")
     assert main(["run", "--stack", "reference", "--stack", "baseline", *RUN_ARGS,
-                 "--dump", str(d), "--json", str(d / "run.json")]) == 0
+                 "--dump", str(d), "--json", str(d / "run.json")]) == 1  # baseline fails
     return d
 
 
@@ -34,9 +34,10 @@ def verl_batch(run_dir, stack: str) -> dict[str, torch.Tensor]:
 
 def analyze(path, tmp_path) -> dict:
     out = tmp_path / "analyze.json"
-    assert main(["analyze", str(path), "--json", str(out)]) == 0
+    code = main(["analyze", str(path), "--json", str(out)])
     data = json.loads(out.read_text())
     assert data["command"] == "analyze"
+    assert code == {"pass": 0, "fail": 1}[data["stacks"][0]["verdict"]]  # the exit status every command gives
     return data["stacks"][0]
 
 

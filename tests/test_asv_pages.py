@@ -32,7 +32,7 @@ def served_pages():
 
 def test_published_asv_pages_list_the_benchmarks(served_pages, tmp_path):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert chromium, "chromium is not installed; `apt-get install -y chromium` (.ci/run does)"
+    assert chromium, "chromium is not installed; `nox -s pages` installs it (apt-get install -y chromium)"
     dom = subprocess.run(
         [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=15000",
          "--dump-dom", served_pages],

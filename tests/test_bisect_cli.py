@@ -16,7 +16,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def test_text_json_and_pictures(tmp_path, capsys):
     path = tmp_path / "no-blocks.json"
-    assert main(["bisect", *NO_BLOCKS, "--json", str(path)]) == 0
+    assert main(["bisect", *NO_BLOCKS, "--json", str(path)]) == 1  # the paths diverge
     out = capsys.readouterr().out
     assert "first capture point that differs for this row: layers.0.attention  ->  kernel path" in out
     assert "rollout -" in out and "(0x" in out and "at the final log-prob" in out

@@ -15,8 +15,10 @@ MOE = ["--model", "qwen3-moe-tiny", "--batch-size", "2", "--prompt-lens", "7,33"
 
 def _bisect(tmp_path, capsys, *argv) -> tuple[str, dict]:
     path = tmp_path / "bisect.json"
-    assert main(["bisect", *argv, "--json", str(path)]) == 0
-    return capsys.readouterr().out, json.loads(path.read_text())["bisect"]
+    code = main(["bisect", *argv, "--json", str(path)])
+    b = json.loads(path.read_text())["bisect"]
+    assert code == (1 if b["divergence"] else 0)  # diverging paths fail rollout = trainer
+    return capsys.readouterr().out, b
 
 
 def _cause(b: dict) -> dict:

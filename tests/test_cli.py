@@ -20,7 +20,7 @@ def logdiff(*args):
 
 def test_default_run_prints_a_row_per_stack():
     out = logdiff("run", *QUICK)
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 1, out.stderr  # baseline fails
     rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
             if line.split()[:1] in (["reference"], ["baseline"])}
     assert rows["reference"][-2] == "pass" and rows["reference"][1] == rows["reference"][2]
@@ -31,7 +31,7 @@ def test_default_run_prints_a_row_per_stack():
 def test_json_envelope_and_dump(tmp_path):
     path = tmp_path / "run.json"
     assert main(["run", *QUICK, "--dtype", "bf16", "--stack", "reference", "--stack", "baseline",
-                 "--json", str(path), "--dump", str(tmp_path / "dump")]) == 0
+                 "--json", str(path), "--dump", str(tmp_path / "dump")]) == 1
     env = json.loads(path.read_text())
     assert env["schema"] and env["suite"]["version"] and env["suite"]["commit"] and env["platform"]["torch"]
     assert env["workload"]["dtype"] == "bf16" and env["workload"]["prompt_lens"] == [3, 130]
@@ -101,3 +101,37 @@ def test_bad_input_from_the_shell_has_no_traceback(args):
     out = logdiff("run", *args)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.count("\n") == 1 and out.stderr.startswith("logdiff: error: ")
+
+
+@pytest.mark.parametrize("omp, flag, threads", [(None, [], 1), ("3", [], 3), ("3", ["--threads", "2"], 2)])
+def test_threads_default_to_omp_num_threads_else_1_and_are_reported(tmp_path, capsys, monkeypatch, omp, flag, threads):
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    before = torch.get_num_threads()
+    path = tmp_path / "run.json"
+    assert main(["run", *QUICK, "--stack", "reference", *flag, "--json", str(path)]) == 0
+    platform = capsys.readouterr().out.splitlines()[1]  # the header's second line
+    assert platform.startswith("platform: ") and f", {threads} thread{'s' * (threads > 1)}, " in platform
+    assert json.loads(path.read_text())["platform"]["threads"] == threads
+    assert torch.get_num_threads() == before  # restored for in-process callers
+
+
+@pytest.mark.parametrize("omp, flag, message", [
+    (None, ["--threads", "0"], "--threads 0 is not positive"),
+    ("many", [], "OMP_NUM_THREADS='many' is not a positive integer"),
+])
+def test_bad_thread_count_is_one_line(capsys, monkeypatch, omp, flag, message):
+    if omp:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    assert main(["run", *QUICK, *flag]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_every_computing_command_takes_threads_and_states_the_default():
+    from logdiff.cli.main import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for name in ("run", "check", "bisect", "bench", "train", "analyze"):
+        assert "$OMP_NUM_THREADS if set, else 1: chosen for a shared machine" in " ".join(commands[name].format_help().split())

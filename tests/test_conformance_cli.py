@@ -15,7 +15,7 @@ SELECTION = "test_c3_rollout_matches_trainer and dense or test_c1_run_to_run_det
 
 
 def pytest_conformance(*args):
-    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-rA", *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,

@@ -24,7 +24,7 @@ def plugin_env(tmp_path_factory):
          str(source)],
         check=True, capture_output=True, text=True, timeout=300,
     )
-    return {**os.environ, "PYTHONPATH": str(site)}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
 
 
 def test_plugin_stack_is_listed(plugin_env):

@@ -118,7 +118,7 @@ CHEAT_RUNS = {  # stack, extra `logdiff run` options, what the user sees
 @pytest.mark.parametrize("stack", list(CHEAT_RUNS))
 def test_logdiff_run_fails_each_cheat(cheats_importable, capsys, stack):
     options, message = CHEAT_RUNS[stack]
-    assert main(["run", "--stack", stack, *options]) == 0
+    assert main(["run", "--stack", stack, *options]) == 1  # a stack failed
     out = capsys.readouterr().out
     row = next(line.split() for line in out.splitlines() if line.startswith(stack))
     assert row[-2] == "fail", out
@@ -178,7 +178,7 @@ def _check(stack, prop, tmp_path):
 def test_logdiff_check_fails_a_consistent_cheat_naming_c0(tmp_path):
     result = _check("cheats:rounding", "C0", tmp_path)
     assert result.returncode == 1, result.stderr
-    assert "FAIL test_c0_runs_the_model[block-edges]" in result.stdout
+    assert "FAIL (differ) test_c0_runs_the_model[block-edges]" in result.stdout
     assert "C0 (rollout): |logp - logp_fp64| reaches 0.0312" in result.stdout
     assert json.loads((tmp_path / "check.json").read_text())["stacks"][0]["properties"]["C0"]["verdict"] == "fail"
 
@@ -197,7 +197,7 @@ def test_logdiff_check_fails_the_tuned_stack_on_a_generated_workload(tmp_path):
     result = _check("cheats:TunedStack", "C3", tmp_path)
     assert result.returncode == 1, result.stderr
     failed = [line for line in result.stdout.splitlines() if line.startswith("FAIL ")]
-    assert failed == ["FAIL test_c3_rollout_matches_trainer_generated"], result.stdout
+    assert failed == ["FAIL (differ) test_c3_rollout_matches_trainer_generated"], result.stdout
     assert "Falsifying example" in result.stdout or "Failing test case" in result.stdout
     assert "reproduce: logdiff run --stack cheats:TunedStack" in result.stdout
 

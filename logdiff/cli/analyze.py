@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from logdiff import report
+from logdiff.cli.options import add_threads_arg, exit_status
 from logdiff.errors import UserError
 from logdiff.metrics import Comparison, bits, compare, framework_metrics
 
@@ -28,6 +29,7 @@ def add(sub) -> None:
     p = sub.add_parser("analyze", help="bitwise verdict and verl/slime metrics of a saved verl batch (.pt or .safetensors)")
     p.add_argument("file", metavar="FILE", help="torch.save dict or safetensors file with " + ", ".join(KEYS))
     p.add_argument("--json", metavar="PATH", help="write the JSON result envelope here")
+    add_threads_arg(p)
     p.set_defaults(func=cmd_analyze)
 
 
@@ -38,7 +40,8 @@ def cmd_analyze(args) -> int:
     old, rollout, mask = batch_tensors(load_batch(path), path)
     c = analyze(old, rollout, mask)
     print(f"logdiff analyze {path}: {mask.shape[0]} sequences x {mask.shape[1]} response columns; "
-          f"trainer = old_log_probs ({_dtype(old)}), rollout = rollout_log_probs ({_dtype(rollout)})")
+          f"trainer = old_log_probs ({_dtype(old)}), rollout = rollout_log_probs ({_dtype(rollout)}), "
+          f"{report.threads()}")
     print(report.table([report.comparison_row("batch", path.name, c)]))
     if c.first_divergence:
         print(report.divergence_line(path.name, c))
@@ -52,7 +55,7 @@ def cmd_analyze(args) -> int:
                  "old_log_probs_dtype": _dtype(old), "rollout_log_probs_dtype": _dtype(rollout)}
         report.write_json(args.json, report.envelope("analyze", batch, [{"name": path.name, **c.to_dict(), "notes": notes}]))
         print(f"wrote {args.json}")
-    return 0
+    return exit_status([c.verdict])
 
 
 def analyze(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> Comparison:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-import torch
-
 from logdiff import report, stacks
 from logdiff.bench.run import ALL_CASES, MODEL_CASES, run_bench
-from logdiff.cli.options import add_engine_args, add_parallel_args, apply_engine_args, parallel_layout
+from logdiff.cli.options import (
+    add_engine_args,
+    add_parallel_args,
+    add_threads_arg,
+    apply_engine_args,
+    exit_status,
+    parallel_layout,
+)
 from logdiff.errors import UserError
 from logdiff.stacks import BENCH_STACKS
 
@@ -22,10 +27,10 @@ def add(sub) -> None:
                    help=f"case to time, repeatable: {', '.join(ALL_CASES)}, 'model' (the first {len(MODEL_CASES)}, "
                         "the default) or 'all'; the kernel cases run at qwen3-30b-a3b shapes whatever --model says")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per stack and case (default 5)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's default, one per core)")
+    add_threads_arg(p)
     p.add_argument("--profile", action="store_true",
                    help="also profile each case on each stack once, untimed (torch.profiler): profile-<case>-<stack>.txt")
-    p.add_argument("--out", metavar="DIR", help="folder for JSON, badge and plot (default results/<machine>/bench)")
+    p.add_argument("--out", metavar="DIR", help="folder for JSON, badge and plot (default ./logdiff-out/bench)")
     add_parallel_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_bench)
@@ -50,23 +55,27 @@ def cmd_bench(args) -> int:
     if args.repeats < 1:
         raise UserError(f"--repeats {args.repeats} is not positive; pass 1 or more (3-5 give a spread)")
     parse_dtype(args.dtype)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UserError(f"--threads {args.threads} is not positive; pass 1 or more, or leave it out")
-        torch.set_num_threads(args.threads)
     apply_engine_args(args)
     names = args.stacks or list(BENCH_STACKS)
     for name in names:
-        stacks.resolve(name)
+        stacks.require(name)
     cases = selected_cases(args.cases)
     ModelSpec(args.model).config()
-    out = report.output_dir(args.out or report.results_dir("bench"), "--out")
+    layout = parallel_layout(args)
+    out = report.output_dir(args.out or report.default_out("bench"), "--out")
 
-    result = run_bench(names, cases, args.model, args.dtype, args.repeats, parallel_layout(args),
-                       profile_dir=out if args.profile else None)
+    result = run_bench(names, cases, args.model, args.dtype, args.repeats, layout, profile_dir=out if args.profile else None)
     print_summary(result)
     for path in write_outputs(result, out):
         print(f"wrote {path}")
-    return 0
+    return exit_status(_verdicts(result, names))
+
+
+def _verdicts(result: dict, names: list[str]) -> list[str]:
+    """A stack timed in no model case could not run ("skipped", exit 2); the bench judges no property."""
+    model_cases = [r for case, r in result["cases"].items() if case in MODEL_CASES]
+    if not model_cases:
+        return ["pass"]
+    return ["pass" if any(r["tokens_per_s"].get(n) for r in model_cases) else "skipped" for n in names]
 
 

@@ -18,7 +18,14 @@ from logdiff.bisect.locate import (
     Side,
     bisect_sides,
 )
-from logdiff.cli.options import add_parallel_args, add_workload_args, parallel_layout, stack_names, workload_from_args
+from logdiff.cli.options import (
+    add_parallel_args,
+    add_threads_arg,
+    add_workload_args,
+    parallel_layout,
+    stack_names,
+    workload_from_args,
+)
 from logdiff.errors import UserError
 from logdiff.report import progress
 
@@ -35,6 +42,7 @@ def add(sub) -> None:
     p = sub.add_parser("bisect", help="find the first op where a stack's trainer and rollout engine differ, and why")
     add_workload_args(p, stacks_default=("baseline",))
     add_parallel_args(p)
+    add_threads_arg(p)
     p.add_argument("--path", choices=(ROLLOUT, TRAINER),
                    help="compare this path at its degree (--rollout-tp or --trainer-tp, default --tp; --ep) with itself "
                         "on one process, as C8 does (default: the rollout against the trainer)")
@@ -74,7 +82,7 @@ def cmd_bisect(args) -> int:
     print(render(result))
     if args.json:
         _write(args.json, result, stack)
-    return 0
+    return 1 if result.divergence else 0  # the paths diverge: the stack fails rollout = trainer
 
 
 def _sides(args, layout: dict, one_process, stack) -> tuple[Side, Side]:
@@ -124,7 +132,7 @@ def render(b: Bisection) -> str:
     c = b.comparison
     first, second = b.sides
     lines = [
-        f"logdiff bisect {b.stack}: {b.workload.describe()}",
+        f"logdiff bisect {b.stack}: {b.workload.describe()}, {report.threads()}",
         *([] if b.sides == (ROLLOUT, TRAINER) else [f"comparing: the {first} against the {second}"]),
         f"run: {c.tokens} tokens, {c.bitwise_equal_tokens} bitwise equal, max |logdiff| {report.fmt_float(c.max_abs_logdiff)}",
     ]

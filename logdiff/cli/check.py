@@ -1,12 +1,15 @@
 """`logdiff check --stack NAME`: the conformance catalogue on one stack, as a verdict per property.
 
 Runs `conformance/` (installed as logdiff.conformance) with pytest in this process, shows a progress
-line per test, prints a property x verdict table and writes under `results/<machine>/<stack>/`:
+line per test, prints a property x verdict table and writes under `./logdiff-out/check/<stack>/` (or --out):
 `check.json` (the result envelope: every test with its outcome, message and compared figures),
 `check.md` (the table, failures, skips) and two offline SVG badges: `conformance.svg` (property
 verdicts) and `logdiff.svg` (max |rollout - trainer| over every rollout-vs-trainer comparison).
-Exit status 0 unless a property fails outside the expected-failures file; a property the stack
-declines entirely is reported as skipped (and the stack's verdict as partial), never as passed.
+It ends with a one-screen summary: the table (a failing test either `differ`s or hit an `error`), the
+verdict, the first failure's reason and the line that reruns it, where the files are.
+Exit status 1 if a property fails outside the expected-failures file, 2 if the stack declined every
+property (nothing ran), else 0; a property the stack declines entirely is reported as skipped (and the
+stack's verdict as partial), never as passed.
 """
 
 from __future__ import annotations
@@ -16,14 +19,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from logdiff import report, stacks
-from logdiff.cli.options import add_engine_args, apply_engine_args
+from logdiff.cli.options import add_engine_args, add_threads_arg, apply_engine_args, exit_status
 from logdiff.errors import UserError
 from logdiff.weights import ModelSpec
 
 
 def add(sub) -> None:
     p = sub.add_parser(
-        "check", help="run the conformance catalogue (C1-C12) on one stack; exit 0 only if every property passes",
+        "check", help="run the conformance catalogue (C0-C12) on one stack; exit 1 if a property fails, 2 if none could run",
     )
     p.add_argument("--stack", required=True, metavar="NAME", help="the stack: built-in name, module:attr or entry point")
     p.add_argument("--model", metavar="NAME|DIR",
@@ -31,6 +34,9 @@ def add(sub) -> None:
     p.add_argument("--xfails-file", metavar="PATH", help="known gaps: one test id per line, reported as xfail")
     p.add_argument("--property", action="append", dest="properties", metavar="ID",
                    help="run only this property, repeatable, e.g. --property C3 (default: the whole catalogue)")
+    p.add_argument("-k", dest="keyword", metavar="EXPR",
+                   help="only the tests this pytest -k expression selects, e.g. a failure's test id as its reproduce "
+                        "line prints it: -k 'test_c3_rollout_matches_trainer[dense]'")
     p.add_argument("--workload-seed", type=int, default=0, metavar="S",
                    help="seed of the generated workloads beside the fixed ones (default 0)")
     p.add_argument("--workload-examples", type=int, default=None, metavar="N",
@@ -38,7 +44,8 @@ def add(sub) -> None:
     p.add_argument("--workload-shrink-seconds", type=float, default=None, metavar="S",
                    help="shrink a failing generated workload for at most S seconds (default: hypothesis' limit, 300 s); "
                         "for engines whose examples are slow")
-    p.add_argument("--out", metavar="DIR", help="results folder (default results/<machine>/<stack>)")
+    p.add_argument("--out", metavar="DIR", help="results folder (default ./logdiff-out/check/<stack>)")
+    add_threads_arg(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_check)
 
@@ -46,7 +53,6 @@ def add(sub) -> None:
 def cmd_check(args) -> int:
     import logdiff.conformance as conformance
     from logdiff.conformance.check import (
-        RESULT_FILES,
         fidelity_by_side,
         max_abs_logdiff,
         overall_verdict,
@@ -57,12 +63,10 @@ def cmd_check(args) -> int:
     )
 
     apply_engine_args(args)
-    stacks.resolve(args.stack)
+    stacks.require(args.stack)
     selected = _selected_properties(args.properties, conformance.CATALOGUE)
     if args.xfails_file and not Path(args.xfails_file).is_file():
         raise UserError(f"--xfails-file {args.xfails_file} is not a file; pass a text file with one test id per line")
-    out = _out_dir(args.out, args.stack)
-
     if args.workload_examples is not None and args.workload_examples < 0:
         raise UserError(f"--workload-examples {args.workload_examples} is negative; pass 0 or more")
     generated = [f"--workload-seed={args.workload_seed}"]
@@ -75,7 +79,8 @@ def cmd_check(args) -> int:
         if args.workload_shrink_seconds < 0:
             raise UserError(f"--workload-shrink-seconds {args.workload_shrink_seconds:g} is negative; pass 0 or more")
         generated.append(f"--workload-shrink-seconds={args.workload_shrink_seconds}")
-    collector = run_catalogue(args.stack, selected, args.xfails_file, generated)
+    out = _out_dir(args.out, args.stack)  # after every check of the input: bad input creates nothing
+    collector = run_catalogue(args.stack, selected, args.xfails_file, generated, args.keyword)
 
     verdicts = summarise(collector.results, selected, conformance.CATALOGUE)
     entry = {
@@ -89,16 +94,44 @@ def cmd_check(args) -> int:
     }
     catalogue = {"catalogue": {p: conformance.CATALOGUE[p] for p in selected}, "xfails_file": args.xfails_file}
     rows = table_rows(verdicts)
-    print(report.table(rows))
-    if entry["max_abs_error_vs_fp64"]:
-        print("max |logp - logp_fp64| (C0): " + ", ".join(
-            f"{side} {report.fmt_float(v)}" for side, v in entry["max_abs_error_vs_fp64"].items()))
+    # Every failure in full first; the summary last, so that it is what a terminal shows.
     for r in collector.results:
         if r.outcome == "fail":
-            print(f"\nFAIL {r.id}\n  " + r.message.replace("\n", "\n  "))
+            print(f"FAIL ({r.failure}) {r.id}\n  " + r.message.replace("\n", "\n  ") + "\n")
     write_results(out, report.envelope("check", catalogue, [entry]), collector.header, rows, collector.results, entry)
-    print(f"\nwrote {', '.join(RESULT_FILES)} to {out}")
-    return 1 if entry["verdict"] == "fail" else 0
+    print(summary(args.stack, rows, entry, collector.results, out))
+    return exit_status([entry["verdict"]])
+
+
+def summary(stack: str, rows: list[dict], entry: dict, results, out: Path) -> str:
+    """One screen: the table, the verdict and why, the first failure's reason and how to rerun it, the files."""
+    from logdiff.conformance.check import RESULT_FILES
+
+    lines = [f"logdiff check: stack {stack}, {len(results)} tests, {report.threads()}", report.table(rows)]
+    if entry["max_abs_error_vs_fp64"]:
+        lines.append("max |logp - logp_fp64| (C0): " + ", ".join(
+            f"{side} {report.fmt_float(v)}" for side, v in entry["max_abs_error_vs_fp64"].items()))
+    by_verdict: dict[str, list[str]] = {}
+    for pid, v in entry["properties"].items():
+        by_verdict.setdefault(v["verdict"], []).append(pid)
+    skipped = next((r for r in results if r.outcome == "skipped"), None)
+    declined = f" (first reason: {skipped.message.splitlines()[0]})" if skipped and skipped.message else ""
+    verdict = entry["verdict"]
+    if verdict == "skipped":
+        lines.append(f"nothing ran: stack {stack} declined every property{declined}")
+    else:
+        words = {"fail": ("fails", "fail"), "xfail": ("fails, a known gap", "fail, known gaps"), "skipped": ("skipped",) * 2}
+        parts = [f"{', '.join(by_verdict[kind])} {words[kind][len(by_verdict[kind]) > 1]}"
+                 for kind in ("fail", "xfail", "skipped") if kind in by_verdict]
+        holds = "every property holds, bit for bit" if verdict == "pass" else "; ".join(parts)
+        lines.append(f"verdict: {verdict}: {holds}" + (declined if verdict == "partial" and "skipped" in by_verdict else ""))
+    failed = next((r for r in results if r.outcome == "fail"), None)
+    if failed:
+        message = failed.message.splitlines() or [""]
+        lines.append(f"first failure ({failed.failure}): {failed.id}: {message[0]}")
+        lines += [f"  {line}" for line in message if line.startswith("reproduce: logdiff check")]
+    lines.append(f"files: {out}/ {' '.join(RESULT_FILES)}")
+    return "\n".join(lines)
 
 
 def _selected_properties(requested, catalogue) -> list[str]:
@@ -114,6 +147,6 @@ def _selected_properties(requested, catalogue) -> list[str]:
 
 
 def _out_dir(path: str | None, stack: str) -> Path:
-    return report.output_dir(path or report.results_dir(re.sub(r"[^\w.-]+", "_", stack)), "--out")
+    return report.output_dir(path or report.default_out("check", re.sub(r"[^\w.-]+", "_", stack)), "--out")
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
+
 from logdiff.cli import analyze, bench, bisect, check, list_stacks, run, train
-from logdiff.cli.options import Parser
+from logdiff.cli.options import EXIT_CODES, Parser, threads_from_args
 from logdiff.errors import UserError
 
 COMMANDS = (run, list_stacks, analyze, bisect, check, bench, train)
@@ -18,13 +20,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for command in COMMANDS:
         command.add(sub)
+    for p in (parser, *sub.choices.values()):
+        p.epilog, p.formatter_class = EXIT_CODES, argparse.RawDescriptionHelpFormatter
     return parser
 
 
 def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        return args.func(args)
+        if not hasattr(args, "threads"):
+            return args.func(args)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads_from_args(args))
+        try:
+            return args.func(args)
+        finally:
+            torch.set_num_threads(before)  # in-process callers (tests) keep their own setting
     except UserError as e:
         print(f"logdiff: error: {e}", file=sys.stderr)
         return 2

@@ -26,6 +26,48 @@ def int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+THREADS_HELP = ("torch CPU threads (default: $OMP_NUM_THREADS if set, else 1: chosen for a shared machine, where torch's "
+                "one-per-core default ran `check --stack baseline` 30x slower under load; on an idle machine give its cores)")
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, metavar="N", help=THREADS_HELP)
+
+
+def threads_from_args(args) -> int:
+    """--threads, else $OMP_NUM_THREADS (its first level, as in "4,2"), else 1."""
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError(f"--threads {args.threads} is not positive; pass 1 or more")
+        return args.threads
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not env:
+        return 1
+    try:
+        threads = int(env.split(",")[0])
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        raise UserError(f"OMP_NUM_THREADS={env!r} is not a positive integer; unset it or pass --threads N")
+    return threads
+
+
+EXIT_CODES = """\
+exit status, the same for every command (a CI can gate on it):
+  0  every stack passed (list, bench: the command completed)
+  1  a stack failed a property: bits differ, or C0 (fidelity) fails, or an engine erred in a test;
+     train: a stack is not exactly on-policy; bisect: the paths diverge (or do not reproduce)
+  2  bad input, or nothing could run: a missing engine, a stack that declined the workload or every
+     property (Unsupported), an unsupported parallel degree; one line on stderr, no traceback"""
+
+
+def exit_status(verdicts) -> int:
+    """The exit status from each stack's verdict: 1 if one failed, else 2 if one could not run at all ("skipped")
+    or there was none, else 0 ("pass", or check's "partial": it ran, some properties declined or xfailed)."""
+    found = set(verdicts)
+    return 1 if "fail" in found else 2 if "skipped" in found or not found else 0
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Where the out-of-process stacks find their engine (they read the environment variables named)."""
     p.add_argument("--server-url", metavar="URL",
@@ -97,5 +139,5 @@ def stack_names(args) -> list[str]:
         names = names[:at] + [n for n in stacks.builtin_stacks()
                               if n not in names and n not in stacks.EXTERNAL_STACKS] + names[at + 1:]
     for name in names:
-        stacks.resolve(name)
+        stacks.require(name)
     return names

@@ -10,7 +10,9 @@ from logdiff import report
 from logdiff.api import Unsupported
 from logdiff.cli.options import (
     add_parallel_args,
+    add_threads_arg,
     add_workload_args,
+    exit_status,
     parallel_layout,
     stack_names,
     workload_from_args,
@@ -25,6 +27,7 @@ def add(sub) -> None:
     p = sub.add_parser("run", help="run a workload through stacks and compare rollout vs trainer log-probs bitwise")
     add_workload_args(p)
     add_parallel_args(p)
+    add_threads_arg(p)
     p.add_argument("--json", metavar="PATH", help="write the JSON result envelope here")
     p.add_argument("--dump", metavar="DIR", help="write tokens and both log-prob tensors per stack (safetensors)")
     p.set_defaults(func=cmd_run)
@@ -69,7 +72,7 @@ def cmd_run(args) -> int:
     if args.json:
         report.write_json(args.json, report.envelope("run", workload.to_dict(), results))
         print(f"wrote {args.json}")
-    return 0
+    return exit_status(r["verdict"] for r in results)
 
 
 def _dump(path: Path, run) -> None:

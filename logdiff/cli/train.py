@@ -5,12 +5,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
 from logdiff import report
 from logdiff.api import Unsupported
-from logdiff.cli.options import int_list, stack_names
-from logdiff.errors import UserError
+from logdiff.cli.options import add_threads_arg, exit_status, int_list, stack_names
 from logdiff.report import progress
 from logdiff.stacks import TRAIN_STACKS
 from logdiff.train import TrainConfig, build_stack, exactly_on_policy, train_stack
@@ -34,9 +31,8 @@ def add(sub) -> None:
                    help=f"AdamW learning rate (default {d.learning_rate:g})")
     p.add_argument("--clip", type=float, default=d.clip, help=f"PPO-clip epsilon (default {d.clip:g})")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of weights, prompts and sampling (default 0)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (default 1: the tiny model gains nothing from more, and it keeps timings steady)")
-    p.add_argument("--out", metavar="DIR", help="folder for JSON and PNG (default results/<machine>/train)")
+    add_threads_arg(p)
+    p.add_argument("--out", metavar="DIR", help="folder for JSON and PNG (default ./logdiff-out/train)")
     p.set_defaults(func=cmd_train, stacks_default=TRAIN_STACKS)
 
 
@@ -57,17 +53,10 @@ def output_paths(out: Path, config: TrainConfig) -> tuple[Path, Path]:
 
 def cmd_train(args) -> int:
     config = config_from_args(args)
-    if args.threads < 1:
-        raise UserError(f"--threads {args.threads} is not positive; pass 1 or more")
     names = stack_names(args)
-    out = report.output_dir(args.out or report.results_dir("train"), "--out")
+    out = report.output_dir(args.out or report.default_out("train"), "--out")
     json_path, png_path = output_paths(out, config)
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        return _train_and_report(names, config, json_path, png_path)
-    finally:
-        torch.set_num_threads(threads_before)  # in-process callers (tests) keep their own setting
+    return _train_and_report(names, config, json_path, png_path)
 
 
 def _train_and_report(names: list[str], config: TrainConfig, json_path: Path, png_path: Path) -> int:
@@ -75,7 +64,7 @@ def _train_and_report(names: list[str], config: TrainConfig, json_path: Path, pn
 
     from logdiff.train_plots import plot_training
 
-    print(f"logdiff train: {config.describe()}")
+    print(f"logdiff train: {config.describe()}, {report.threads()}")
     runs, skipped = [], []
     for i, name in enumerate(names, 1):
         progress(f"[{i}/{len(names)}] {name}: building")
@@ -98,7 +87,8 @@ def _train_and_report(names: list[str], config: TrainConfig, json_path: Path, pn
     if runs:
         plot_training(png_path, runs, f"logdiff train: {config.describe()}")
         print(f"wrote {png_path}")
-    return 0
+    # The property a training run judges: exactly on-policy at every step.
+    return exit_status(["pass" if exactly_on_policy(r["steps"]) else "fail" for r in runs] + ["skipped" for _ in skipped])
 
 
 def summary_row(run: dict) -> dict:
