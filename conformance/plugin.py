@@ -72,6 +72,8 @@ def pytest_configure(config):
     path = config.getoption("--xfails-file")
     config.stash[_XFAILS] = read_xfails(Path(path)) if path else {}
     config.stash[_BUILT] = {}
+    config.addinivalue_line("markers", "own_weights(what): a conformance test whose workloads build their own weights; "
+                                       "skipped under --model")
 
 
 def read_xfails(path: Path) -> dict[str, int]:
@@ -96,6 +98,11 @@ def _ids(item) -> set[str]:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(session, config, items):
+    model = config.getoption("--model")
+    for item in items:
+        own = item.get_closest_marker("own_weights")
+        if model and own:
+            item.add_marker(pytest.mark.skip(reason=f"builds its own weights ({own.args[0]}), not {model}'s"))
     xfails = config.stash[_XFAILS]
     if not xfails:
         return
@@ -128,9 +135,12 @@ def reproducer(item, error: BaseException) -> str:
     stack = shlex.quote(config.getoption("--stack"))
     generated = "".join(f" {flag} {config.getoption(flag)}" for flag, default in (
         ("--workload-seed", 0), ("--workload-examples", DEFAULT_EXAMPLES)) if config.getoption(flag) != default)
-    lines = [f"reproduce: logdiff check --stack {stack} -k {shlex.quote(item.name)}{generated}"]
+    model = config.getoption("--model")
+    on = f" --model {shlex.quote(model)}" if model else ""
+    lines = [f"reproduce: logdiff check --stack {stack}{on} -k {shlex.quote(item.name)}{generated}"]
     degrees, bisect_only = item.stash.get(_PARALLEL, ("", ""))
     for w in getattr(error, "workloads", None) or item.stash.get(_WORKLOADS, [])[-1:]:
+        w = on_model(config, w)
         lines.append(f"reproduce: logdiff run --stack {stack} {w.command_line()}{degrees}")
         lines.append(f"locate:    logdiff bisect --stack {stack} {w.command_line()}{degrees}{bisect_only}")
     return "\n".join(lines)

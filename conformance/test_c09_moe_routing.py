@@ -13,9 +13,8 @@ from .workloads import TIED_MODEL, all_at_once
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("check", ["rollout-vs-trainer", "batch-invariance"])
-def test_c9_moe_routing_ties_and_combine_order(stack_for, trainer_for, bitwise, check, dtype, pytestconfig):
-    if pytestconfig.getoption("--model"):
-        pytest.skip(f"C9 builds its own weights (a router with tied experts), not {pytestconfig.getoption('--model')}'s")
+@pytest.mark.own_weights("a router with tied expert pairs")
+def test_c9_moe_routing_ties_and_combine_order(stack_for, trainer_for, bitwise, check, dtype):
     w = Workload(model=TIED_MODEL, dtype=dtype, prompt_lens=(17, 129, 64, 200), batch_size=4, max_new_tokens=8, stagger=1)
     stack = stack_for(w)
     if check == "rollout-vs-trainer":

@@ -136,3 +136,20 @@ def test_check_runs_the_transformers_stack_from_a_checkout(tmp_path):
     result = check("--stack", "hf", "-k", "test_c3_rollout_matches_trainer[dense]", cwd=tmp_path)
     assert result.returncode == 1 and "INTERNALERROR" not in result.stderr, result.stderr[-3000:]
     assert "first failure (differ): test_c3_rollout_matches_trainer[dense]" in result.stdout
+
+
+def test_model_option_runs_every_workload_on_that_model_and_says_so(tmp_path):
+    """--model: a failure reproduces on the model it ran on; C9, which builds its own weights, is skipped."""
+    result = check("--stack", "reference-no-blocks", "--model", "qwen3-dense-tiny", "--property", "C3", "--property", "C9",
+                   "-k", "breaks-no-blocks or c9", "--out", str(tmp_path))
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "reproduce: logdiff check --stack reference-no-blocks --model qwen3-dense-tiny -k" in result.stdout
+    assert re.search(r"reproduce: logdiff run --stack reference-no-blocks --model qwen3-dense-tiny ", result.stdout)
+    c9 = json.loads((tmp_path / "check.json").read_text())["stacks"][0]["properties"]["C9"]
+    assert c9["verdict"] == "skipped", c9
+
+
+def test_an_unknown_model_is_one_line(tmp_path):
+    result = check("--stack", "reference", "--model", "qwen3-nonexistent", "--out", str(tmp_path))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "qwen3-nonexistent" in result.stderr

@@ -186,7 +186,7 @@ def test_logdiff_check_fails_a_consistent_cheat_naming_c0(tmp_path):
 def test_logdiff_check_fails_log_probs_recorded_at_another_temperature(tmp_path):
     result = _check("cheats:wrong_temperature", "C0", tmp_path)
     assert result.returncode == 1, result.stderr
-    failed = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("FAIL ")}
+    failed = {line.split()[-1] for line in result.stdout.splitlines() if line.startswith("FAIL ")}
     assert {f"test_c0_runs_the_model[sampled-T{t}]" for t in (0.3, 0.7, 1.5)} <= failed, result.stdout
     assert "test_c0_runs_the_model[block-edges]" not in failed  # greedy: right there
     assert "C0 (rollout): |logp - logp_fp64| reaches" in result.stdout

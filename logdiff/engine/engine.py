@@ -163,7 +163,9 @@ def inference_copy(model: Qwen3ForCausalLM, ops: KernelSet) -> Qwen3ForCausalLM:
     for name, param in twin.named_parameters():
         if param.ndim >= 2 and name != "model.embed_tokens.weight":  # every matrix but the table is a GEMM weight
             param.data = ops.inference_weight(param.data)
-    if model.config.tie_word_embeddings:  # the lm_head reads the table as a GEMM weight: its own copy
+    # A tied lm_head reads the table as a GEMM weight: its own copy. (A tensor-parallel rank's lm_head holds
+    # its vocabulary slice, already its own tensor, converted above: re-tying it would score all of V.)
+    if twin.lm_head.weight is twin.model.embed_tokens.weight:
         twin.lm_head.weight = torch.nn.Parameter(ops.inference_weight(twin.model.embed_tokens.weight.data),
                                                  requires_grad=False)
     twin.is_inference_copy = True
