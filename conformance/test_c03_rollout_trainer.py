@@ -8,7 +8,8 @@ from .generated import for_each_workload
 from .runs import assert_rollout_matches_trainer
 from .workloads import ABLATION_WORKLOADS, WORKLOADS
 
-CASES = {name: WORKLOADS[name] for name in ("joins-mid-decode", "sampled", "long-decode", "dense")} | ABLATION_WORKLOADS
+CASES = {name: WORKLOADS[name] for name in ("joins-mid-decode", "sampled", "long-decode", "dense", "prefill-9k")} | (
+    ABLATION_WORKLOADS)
 
 
 @pytest.mark.parametrize("workload", list(CASES))

@@ -12,6 +12,7 @@ CASES = {
     "joins-mid-decode": WORKLOADS["joins-mid-decode"],
     "sampled": WORKLOADS["sampled"],
     "block-edges-bf16": with_dtype(WORKLOADS["block-edges"], "bf16"),
+    "prefill-9k": WORKLOADS["prefill-9k"],
 }
 
 

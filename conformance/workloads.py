@@ -26,8 +26,11 @@ WORKLOADS = {
     "block-edges-sampled": Workload(prompt_lens=BLOCK_EDGES, batch_size=6, max_new_tokens=8, temperature=1.0, stagger=1),
     # decode crosses the 128, 256 and 384 block boundaries
     "long-decode": Workload(prompt_lens=(120, 250), batch_size=2, max_new_tokens=140, stagger=0),
-    # 20 decode rows: past the 16-row tile where batch-invariant GEMMs stop padding
+    # 20 decode rows: more than one GEMM tile of rows on every tier
     "batch-20": Workload(prompt_lens=(3, 60, 127, 129), batch_size=20, max_new_tokens=6, stagger=0),
+    # One prefill step of 9,100 prompt tokens (20 prompts arriving at once), past the 8,192 at which engines
+    # cap a step's tokens or change kernels; the trainer's forward holds 9,180.
+    "prefill-9k": Workload(prompt_lens=(440, 470), batch_size=20, max_new_tokens=4, stagger=0),
 }
 
 # The standard workload on which each ablation loses parity (logdiff.kernels.ablations).

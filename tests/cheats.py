@@ -9,6 +9,7 @@ from logdiff.api import EngineOptions, RolloutOutput, TrainerInputs
 from logdiff.baselines.baseline import baseline_kernels
 from logdiff.conformance.workloads import ABLATION_WORKLOADS, BLOCK_EDGES, WORKLOADS
 from logdiff.kernels import reference_kernels
+from logdiff.kernels.linear import linear as reference_linear
 from logdiff.stacks import KernelStack
 
 
@@ -136,3 +137,19 @@ class ModelDtypeLogprobStack(KernelStack):
 
 def model_dtype_logprobs(spec, dtype, max_model_len):
     return ModelDtypeLogprobStack(spec, dtype, max_model_len, reference_kernels(name="model-dtype-logprobs"))
+
+
+def _split_k_past_2048_rows(x, w):
+    """reference's GEMM, except that a call of more than 2048 rows adds two half-K partial products"""
+    if x.shape[:-1].numel() <= 2048:
+        return reference_linear(x, w)
+    half = x.shape[-1] // 2
+    return (reference_linear(x[..., :half], w[..., :half], torch.float32)
+            + reference_linear(x[..., half:], w[..., half:], torch.float32)).to(x.dtype)
+
+
+def big_step_prefill(spec, dtype, max_model_len):
+    """reference kernels whose GEMMs change their reduction once a forward holds more than 2048 tokens
+    (a prefill step's kernel switch), on both paths"""
+    ops = dataclasses.replace(reference_kernels(name="big-step-prefill"), linear=_split_k_past_2048_rows)
+    return KernelStack(spec, dtype, max_model_len, ops)

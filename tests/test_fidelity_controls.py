@@ -192,6 +192,15 @@ def test_logdiff_check_fails_log_probs_recorded_at_another_temperature(tmp_path)
     assert "C0 (rollout): |logp - logp_fp64| reaches" in result.stdout
 
 
+def test_logdiff_check_fails_a_prefill_that_switches_kernels_past_2048_tokens(tmp_path):
+    """Bitwise on every workload but the one whose prefill step holds more than 2048 tokens."""
+    result = _check("cheats:big_step_prefill", "C4", tmp_path)
+    assert result.returncode == 1, result.stderr
+    failed = [line.split()[-1] for line in result.stdout.splitlines() if line.startswith("FAIL ")]
+    assert failed == ["test_c4_decode_matches_prefill[prefill-9k]"], result.stdout
+    assert "reproduce: logdiff run --stack cheats:big_step_prefill --batch-size 20 --prompt-lens 440,470" in result.stdout
+
+
 def test_logdiff_check_fails_the_tuned_stack_on_a_generated_workload(tmp_path):
     """Bitwise on every fixed workload of C3, caught by the generated ones, shrunk to a minimal `logdiff run` line."""
     result = _check("cheats:TunedStack", "C3", tmp_path)
