@@ -1,6 +1,7 @@
 """`logdiff bench` end to end on a tiny model, its statistics, its same-work check and its bad input."""
 
 import json
+import re
 
 import pytest
 
@@ -63,8 +64,9 @@ def test_bench_profile_writes_each_stacks_ops(tmp_path):
         text = (tmp_path / f"profile-decode-b1-{stack}.txt").read_text()
         assert f"stack {stack}" in text and gemm_op[stack] in text and "Input Shapes" in text
         assert data["profiles"]["decode-b1"][stack].endswith(f"profile-decode-b1-{stack}.txt")
-    # the reference's one-row decode GEMM runs on its one row: nothing is padded
-    assert "[[1, 1, 64], [1, 64, 1024], []]" in (tmp_path / "profile-decode-b1-reference.txt").read_text()
+    # the reference's one-row decode GEMMs run on their one row: nothing is padded
+    one_row = r"logdiff::mm .*\[\[1, 1, 64\], \[1, 64, \d+\], \[\]\]"
+    assert re.search(one_row, (tmp_path / "profile-decode-b1-reference.txt").read_text())
 
 
 @pytest.mark.parametrize("args,message", [
