@@ -9,6 +9,7 @@ from logdiff.workload import Workload
 
 from .generated import for_each_workload, workloads
 from .runs import rollout
+from .workloads import WORKLOADS
 
 WORKLOAD = Workload(prompt_lens=(127, 128, 129, 300, 17), batch_size=5, max_new_tokens=6, stagger=1)
 
@@ -22,6 +23,14 @@ def whole_prompts(stack_builder):
 def test_c5_chunked_prefill_invariance(stack_for, bitwise, whole_prompts, chunk):
     chunked = rollout(stack_for(WORKLOAD), WORKLOAD.requests(), EngineOptions(prefill_chunk=chunk))
     bitwise.rollouts(whole_prompts, chunked, ("whole-prompt prefill", f"prefill in chunks of {chunk}"))
+
+
+def test_c5_chunked_prefill_invariance_past_8192_tokens(stack_for, bitwise):
+    """One prefill step of 9,100 prompt tokens against chunks of 100 per prompt (2,000 tokens a step)."""
+    w = WORKLOADS["prefill-9k"]
+    stack, requests = stack_for(w), w.requests()
+    whole, chunked = rollout(stack, requests), rollout(stack, requests, EngineOptions(prefill_chunk=100))
+    bitwise.rollouts(whole, chunked, ("one 9,100-token prefill step", "prefill in chunks of 100"))
 
 
 def test_c5_chunked_prefill_invariance_generated(stack_for, bitwise, pytestconfig):

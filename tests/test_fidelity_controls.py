@@ -169,9 +169,9 @@ def test_isolation_catches_the_echoing_trainer(cheats_importable, fixtures):
     assert "logprobs differ at seq" in message
 
 
-def _check(stack, prop, tmp_path):
+def _check(stack, prop, tmp_path, *more):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(CHEATS), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "logdiff", "check", "--stack", stack, "--property", prop,
+    return subprocess.run([sys.executable, "-m", "logdiff", "check", "--stack", stack, "--property", prop, *more,
                            "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
@@ -194,10 +194,11 @@ def test_logdiff_check_fails_log_probs_recorded_at_another_temperature(tmp_path)
 
 def test_logdiff_check_fails_a_prefill_that_switches_kernels_past_2048_tokens(tmp_path):
     """Bitwise on every workload but the one whose prefill step holds more than 2048 tokens."""
-    result = _check("cheats:big_step_prefill", "C4", tmp_path)
+    result = _check("cheats:big_step_prefill", "C4", tmp_path, "--property", "C5")
     assert result.returncode == 1, result.stderr
     failed = [line.split()[-1] for line in result.stdout.splitlines() if line.startswith("FAIL ")]
-    assert failed == ["test_c4_decode_matches_prefill[prefill-9k]"], result.stdout
+    assert failed == ["test_c4_decode_matches_prefill[prefill-9k]", "test_c5_chunked_prefill_invariance_past_8192_tokens"], (
+        result.stdout)
     assert "reproduce: logdiff run --stack cheats:big_step_prefill --batch-size 20 --prompt-lens 440,470" in result.stdout
 
 
