@@ -287,15 +287,19 @@ void pack_b_pairs(const bf16* b, int64_t rs, int64_t cs, int64_t kc, int64_t nc,
   }
 }
 
+// Word (m, p) of a [count x K] bf16 operand (row stride rs, k stride cs): (a[m][2p], a[m][2p+1]), zero past
+// count and K.
+inline uint32_t pair_word(const bf16* a, int64_t rs, int64_t cs, int64_t count, int64_t K, int64_t m, int64_t p) {
+  const bf16 zero(0.0f);
+  const int64_t k = 2 * p;
+  return m < count ? pair(k < K ? a[m * rs + k * cs] : zero, k + 1 < K ? a[m * rs + (k + 1) * cs] : zero) : 0u;
+}
+
 // A[m0:m0+mc, k0:k0+kc] -> words [rows][pairs] (row-major, `rows` >= mc rows, zeros past mc and kc). The
 // loop runs along A's contiguous dimension: a row of k, or (a weight stored K-major) a row of m.
 void pack_a_pairs(const bf16* a, int64_t rs, int64_t cs, int64_t mc, int64_t kc, int64_t rows, int64_t pairs,
                   uint32_t* out) {
-  const bf16 zero(0.0f);
-  auto word = [&](int64_t m, int64_t p) {
-    const int64_t k = 2 * p;
-    return m < mc ? pair(k < kc ? a[m * rs + k * cs] : zero, k + 1 < kc ? a[m * rs + (k + 1) * cs] : zero) : 0u;
-  };
+  auto word = [&](int64_t m, int64_t p) { return pair_word(a, rs, cs, mc, kc, m, p); };
   if (rs < cs) {
     for (int64_t p = 0; p < pairs; ++p)
       for (int64_t m = 0; m < rows; ++m) out[m * pairs + p] = word(m, p);
@@ -462,15 +466,12 @@ __attribute__((target("avx512f"))) void transpose16(const float* src, int64_t ld
   }
   for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * ldd, r[i]);
 }
+
 // X[m0:m0+count, :] -> 32 columns of X^T's pairs at stride ldx: word (p, m) = (x[m][2p], x[m][2p+1]),
 // zero columns past `count` and zero pairs past K. The loop runs along X's contiguous dimension.
 void pack_x_pairs(const bf16* x, int64_t rs, int64_t cs, int64_t count, int64_t K, int64_t pairs, int64_t ldx,
                   uint32_t* out) {
-  const bf16 zero(0.0f);
-  auto word = [&](int64_t m, int64_t p) {
-    const int64_t k = 2 * p;
-    return m < count ? pair(k < K ? x[m * rs + k * cs] : zero, k + 1 < K ? x[m * rs + (k + 1) * cs] : zero) : 0u;
-  };
+  auto word = [&](int64_t m, int64_t p) { return pair_word(x, rs, cs, count, K, m, p); };
   if (cs < rs) {
     for (int64_t m = 0; m < 32; ++m)
       for (int64_t p = 0; p < pairs; ++p) out[p * ldx + m] = word(m, p);
