@@ -14,8 +14,8 @@ import torch
 
 from logdiff.kernels.gemm import linear, weight_layout
 
-__all__ = ["linear", "plain_linear", "row_tiled_linear", "weight_layout", "native_gemm_dtype", "fixed_order_row_linear",
-           "sum_in_order"]
+__all__ = ["linear", "plain_linear", "row_tiled_linear", "split_k_linear", "weight_layout", "native_gemm_dtype",
+           "fixed_order_row_linear", "sum_in_order"]
 
 
 def native_gemm_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -38,10 +38,14 @@ def row_tiled_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     even = linear(x, w)
     if x.shape[-2] % 2 == 0:
         return even
+    return torch.cat([even[..., :-1, :], split_k_linear(x[..., -1:, :], w)], dim=-2)
+
+
+def split_k_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`linear` with K reduced as two halves added in fp32, rounded once: another fixed order, not `linear`'s."""
     half = x.shape[-1] // 2
-    last = x[..., -1:, :]
-    split = linear(last[..., :half], w[..., :half], torch.float32) + linear(last[..., half:], w[..., half:], torch.float32)
-    return torch.cat([even[..., :-1, :], split.to(x.dtype)], dim=-2)
+    parts = [linear(x[..., k], w[..., k], torch.float32) for k in (slice(None, half), slice(half, None))]
+    return (parts[0] + parts[1]).to(x.dtype)
 
 
 # Row-parallel GEMMs (o_proj, down_proj) split K into this many chunks whatever the parallel degree:

@@ -10,6 +10,7 @@ from logdiff.baselines.baseline import baseline_kernels
 from logdiff.conformance.workloads import ABLATION_WORKLOADS, BLOCK_EDGES, WORKLOADS
 from logdiff.kernels import reference_kernels
 from logdiff.kernels.linear import linear as reference_linear
+from logdiff.kernels.linear import split_k_linear
 from logdiff.stacks import KernelStack
 
 
@@ -141,11 +142,7 @@ def model_dtype_logprobs(spec, dtype, max_model_len):
 
 def _split_k_past_2048_rows(x, w):
     """reference's GEMM, except that a call of more than 2048 rows adds two half-K partial products"""
-    if x.shape[:-1].numel() <= 2048:
-        return reference_linear(x, w)
-    half = x.shape[-1] // 2
-    return (reference_linear(x[..., :half], w[..., :half], torch.float32)
-            + reference_linear(x[..., half:], w[..., half:], torch.float32)).to(x.dtype)
+    return reference_linear(x, w) if x.shape[:-1].numel() <= 2048 else split_k_linear(x, w)
 
 
 def big_step_prefill(spec, dtype, max_model_len):
