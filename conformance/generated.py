@@ -44,6 +44,33 @@ def workloads(draw, dtypes=("fp32", "bf16", "fp16")) -> Workload:
     )
 
 
+# Regimes where engines switch kernels: contexts to 4,300 positions (past 2048 and 4096) and up to 256 requests
+# at once, each drawn log-uniformly (a power of two, then a value up to it) so that short and long, one and
+# many, are all common. Prompt tokens per workload are capped to keep an example to seconds on 2 cores.
+MAX_REGIME_PROMPT, MAX_REGIME_BATCH, MAX_REGIME_NEW_TOKENS, MAX_REGIME_PROMPT_TOKENS = 4200, 256, 128, 16_000
+
+
+def _log_uniform(draw, top: int) -> int:
+    ceiling = 1 << draw(st.integers(0, top.bit_length() - 1))
+    return min(top, draw(st.integers(ceiling // 2 + 1, ceiling)) if ceiling > 1 else 1)
+
+
+@st.composite
+def regime_workloads(draw) -> Workload:
+    batch = _log_uniform(draw, MAX_REGIME_BATCH)
+    longest = min(MAX_REGIME_PROMPT, MAX_REGIME_PROMPT_TOKENS // batch)
+    prompt_lens = tuple(_log_uniform(draw, longest) for _ in range(draw(st.integers(1, min(batch, 4)))))
+    return Workload(
+        model="qwen3-moe-tiny",
+        dtype=draw(st.sampled_from(["fp32", "bf16"])),
+        batch_size=batch,
+        prompt_lens=prompt_lens,
+        max_new_tokens=_log_uniform(draw, MAX_REGIME_NEW_TOKENS),
+        temperature=draw(st.sampled_from([0.0, 1.0])),
+        stagger=draw(st.integers(0, 2)),
+    )
+
+
 class DistinctFailures(AssertionError):
     """Hypothesis found several distinct failures: the message names each, the notes give each workload."""
 

@@ -21,7 +21,9 @@ from logdiff.stacks import StackCache
 from logdiff.workload import Workload
 
 DEFAULT_STACK = "reference"
-MAX_MODEL_LEN = 512  # room for the longest catalogue workload; one build serves every workload
+# Stacks are built for 512 positions (every edge workload) or, for the long-context regimes, 8192: naive's
+# attention spans its whole max_model_len, so one long build for everything would slow every workload.
+MAX_MODEL_LEN, LONG_MODEL_LEN = 512, 8192
 DEFAULT_EXAMPLES = 4
 
 STACK_INFO = pytest.StashKey[dict]()
@@ -168,14 +170,15 @@ def pytest_runtest_call(item):
     return (yield from _declined_is_skipped(item))
 
 
-def build_stack(config, model: str, seed: int, dtype: str, instance: str = "rollout") -> Stack:
+def build_stack(config, model: str, seed: int, dtype: str, instance: str = "rollout",
+                max_model_len: int = MAX_MODEL_LEN) -> Stack:
     """The stack under test for this model and dtype, built once per `instance`; a declined build is
     remembered. The trainer side is scored on its own instance (a fresh factory call, same weights), so
     a trainer cannot answer from the rollout's memory."""
     workload = Workload(model=model, seed=seed, dtype=dtype)
     # On --model (real dimensions), one dtype's instances at a time: all of them would not fit in memory.
     cache = config.stash[_BUILT].setdefault(instance, StackCache(keep_one_model=bool(config.getoption("--model"))))
-    return cache.get(config.getoption("--stack"), workload.spec, workload.torch_dtype, MAX_MODEL_LEN)
+    return cache.get(config.getoption("--stack"), workload.spec, workload.torch_dtype, max_model_len)
 
 
 def stack_info(config) -> dict:
@@ -213,13 +216,19 @@ def on_model(config, workload: Workload) -> Workload:
     return dataclasses.replace(workload, model=model) if model else workload
 
 
+def model_len_for(workload: Workload) -> int:
+    """The max_model_len of the stacks that run `workload`."""
+    if workload.max_model_len > LONG_MODEL_LEN:
+        raise ValueError(
+            f"catalogue workload needs {workload.max_model_len} positions, stacks are built with at most {LONG_MODEL_LEN}")
+    return MAX_MODEL_LEN if workload.max_model_len <= MAX_MODEL_LEN else LONG_MODEL_LEN
+
+
 def _builder(config, instance: str):
     def get(workload: Workload) -> Stack:
-        if workload.max_model_len > MAX_MODEL_LEN:
-            raise ValueError(
-                f"catalogue workload needs {workload.max_model_len} positions, stacks are built with {MAX_MODEL_LEN}")
+        span = model_len_for(workload)
         workload = on_model(config, workload)
-        return build_stack(config, workload.model, workload.seed, workload.dtype, instance)
+        return build_stack(config, workload.model, workload.seed, workload.dtype, instance, span)
 
     return get
 

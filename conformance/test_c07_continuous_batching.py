@@ -1,5 +1,7 @@
 """C7: continuous batching. A request's tokens and log-probs do not depend on who else is running when
-it joins, nor on requests leaving the batch while it decodes: each equals the request run alone."""
+it joins, nor on requests leaving the batch while it decodes, nor on joining in a prefill step of 9,100
+prompt tokens (past the 8,192 at which engines cap a step or change kernels): each equals the request run
+alone."""
 
 import dataclasses
 
@@ -10,7 +12,7 @@ from logdiff.workload import Workload
 
 from .generated import for_each_workload, workloads
 from .runs import rollout
-from .workloads import all_at_once
+from .workloads import WORKLOADS, all_at_once
 
 PROMPTS = Workload(prompt_lens=(17, 129, 64, 300), batch_size=4, max_new_tokens=8).requests()
 JOINS = ((0, 8), (0, 8), (2, 8), (5, 8))  # (arrival step, new tokens) per request
@@ -32,6 +34,16 @@ def test_c7_continuous_batching(stack_for, bitwise, schedule):
     scheduled = rollout(stack, requests)
     alone = [rollout(stack, [dataclasses.replace(r, arrival=0)])[0] for r in requests]
     bitwise.rollouts(scheduled, alone, (f"schedule {schedule}", "alone"))
+
+
+def test_c7_a_9k_token_prefill_step_joins_running_decodes(stack_for, bitwise):
+    big_step = WORKLOADS["prefill-9k"]
+    stack = stack_for(big_step)
+    running = [dataclasses.replace(r, arrival=0) for r in PROMPTS[:2]]
+    joining = [dataclasses.replace(r, arrival=2) for r in big_step.requests()]
+    scheduled = rollout(stack, running + joining)
+    alone = [rollout(stack, [dataclasses.replace(r, arrival=0)])[0] for r in running + joining]
+    bitwise.rollouts(scheduled, alone, ("20 prompts of 9,100 tokens joining 2 decodes at step 2", "alone"))
 
 
 def test_c7_continuous_batching_generated(stack_for, bitwise, pytestconfig):

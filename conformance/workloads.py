@@ -1,7 +1,8 @@
 """The catalogue's workloads, each aimed at an edge where a stack can lose bitwise parity: prompt
 lengths around the 128-key KV block, decodes that cross several blocks, mixed lengths in one batch, one
-request alone or twenty, requests joining mid-decode, temperature sampling, a dense model, and the
-workloads on which each ablation must fail."""
+request alone or twenty, requests joining mid-decode, temperature sampling, a dense model, the regimes
+where engines switch kernels (contexts past 2048 tokens, 256 requests in one decode step, 9,100 prompt
+tokens in one prefill step), and the workloads on which each ablation must fail."""
 
 from __future__ import annotations
 
@@ -31,6 +32,12 @@ WORKLOADS = {
     # One prefill step of 9,100 prompt tokens (20 prompts arriving at once), past the 8,192 at which engines
     # cap a step's tokens or change kernels; the trainer's forward holds 9,180.
     "prefill-9k": Workload(prompt_lens=(440, 470), batch_size=20, max_new_tokens=4, stagger=0),
+    # Regimes where engines switch kernels (split-KV decoding, batch buckets): contexts past 2048 tokens, in the
+    # prompt and reached while decoding, and a decode step of 256 requests whose contexts span two KV blocks.
+    "long-context": Workload(prompt_lens=(2100, 1990), batch_size=2, max_new_tokens=80, stagger=0),
+    "batch-256": Workload(prompt_lens=(129, 140, 200, 7), batch_size=256, max_new_tokens=4, stagger=0),
+    # The seed's workload lengths: a 2048-token prompt and a 2048-token response (40 s for the reference).
+    "seed-lengths": Workload(prompt_lens=(2048,), batch_size=1, max_new_tokens=2048, stagger=0),
 }
 
 # The standard workload on which each ablation loses parity (logdiff.kernels.ablations).

@@ -124,12 +124,12 @@ NAMED_CONFIGS: dict[str, ModelConfig] = {
         ModelConfig(
             name="qwen3-moe-tiny", vocab_size=1024, hidden_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=128,
-            max_position_embeddings=4096, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+            max_position_embeddings=8192, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
         ),
         ModelConfig(
             name="qwen3-dense-tiny", vocab_size=1024, hidden_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=128,
-            max_position_embeddings=4096,
+            max_position_embeddings=8192,
         ),
         # C9's MoE routing ties: qwen3-moe-tiny with top-4 of 8 experts and the router rows of experts 1 and 3
         # copies of 0 and 2, so a tie decides both which experts a token uses and their combine order. A named
@@ -137,7 +137,7 @@ NAMED_CONFIGS: dict[str, ModelConfig] = {
         ModelConfig(
             name="qwen3-moe-tiny-tied", vocab_size=1024, hidden_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=128,
-            max_position_embeddings=4096, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=64,
+            max_position_embeddings=8192, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=64,
             tied_router_experts=((0, 1), (2, 3)),
         ),
         # For throughput: the 30B-A3B ratios (GQA 4:1, top-k/experts 1:16 with 8 active) at a CPU-sized scale.

@@ -8,9 +8,11 @@ import torch
 from logdiff.api import EngineOptions, RolloutOutput, TrainerInputs
 from logdiff.baselines.baseline import baseline_kernels
 from logdiff.conformance.workloads import ABLATION_WORKLOADS, BLOCK_EDGES, WORKLOADS
-from logdiff.kernels import reference_kernels
+from logdiff.kernels import Alignments, reference_kernels
+from logdiff.kernels.attention import KV_BLOCK, _rollout
 from logdiff.kernels.linear import linear as reference_linear
 from logdiff.kernels.linear import split_k_linear
+from logdiff.kernels.rope import RotaryTable
 from logdiff.stacks import KernelStack
 
 
@@ -150,3 +152,68 @@ def big_step_prefill(spec, dtype, max_model_len):
     (a prefill step's kernel switch), on both paths"""
     ops = dataclasses.replace(reference_kernels(name="big-step-prefill"), linear=_split_k_past_2048_rows)
     return KernelStack(spec, dtype, max_model_len, ops)
+
+
+# --------------------------------------------------------------------------- regimes: kernel switches the
+# fixed edge workloads never reach (long contexts, large decode batches), as real engines switch there.
+
+def _decode_attention_split_when(switch):
+    """the reference's rollout attention, except that a decode step for which `switch(seqs, slots)` holds
+    merges two KV partitions by log-sum-exp (a flash-decoding split)"""
+    reference = reference_kernels().rollout_attention
+
+    def attention(q, k_cache, v_cache, seqs, slots):
+        if seqs.is_decode and switch(seqs, slots):
+            return _rollout(q, k_cache, v_cache, seqs, slots, Alignments(), KV_BLOCK, splits=2)
+        return reference(q, k_cache, v_cache, seqs, slots)
+
+    return attention
+
+
+def long_context_split(spec, dtype, max_model_len):
+    """reference, whose decode splits the KV range in two once a context holds more than 2048 tokens"""
+    ops = dataclasses.replace(reference_kernels(name="long-context-split"),
+                              rollout_attention=_decode_attention_split_when(lambda seqs, slots: slots.shape[1] > 2048))
+    return KernelStack(spec, dtype, max_model_len, ops)
+
+
+def large_batch_split(spec, dtype, max_model_len):
+    """reference, whose decode splits the KV range in two once a step decodes more than 48 sequences"""
+    ops = dataclasses.replace(reference_kernels(name="large-batch-split"),
+                              rollout_attention=_decode_attention_split_when(lambda seqs, slots: seqs.num_seqs > 48))
+    return KernelStack(spec, dtype, max_model_len, ops)
+
+
+# --------------------------------------------------------------------------- consistently the wrong model:
+# rollout and trainer agree bit for bit, on a model that is not the checkpoint's.
+
+def wrong_rope_base(spec, dtype, max_model_len):
+    """reference, with rotary frequencies from base 10,000 (Qwen2's and Llama's) instead of the config's 1,000,000"""
+    stack = KernelStack(spec, dtype, max_model_len, reference_kernels(name="wrong-rope-base"))
+    c = stack.model.config
+    for model in (stack.model, stack.engine_model):
+        model.rope = RotaryTable(c.head_dim, 10_000.0, c.max_position_embeddings)
+    return stack
+
+
+def wrong_norm_eps(spec, dtype, max_model_len):
+    """reference, whose RMSNorms add 1e-2 instead of the config's epsilon"""
+    ops = reference_kernels(name="wrong-norm-eps")
+    ops = dataclasses.replace(ops, rms_norm=lambda x, weight, eps: reference_kernels().rms_norm(x, weight, 1e-2))
+    return KernelStack(spec, dtype, max_model_len, ops)
+
+
+def dropped_layer(spec, dtype, max_model_len):
+    """reference, without its last decoder layer (an off-by-one in a layer loop or a checkpoint loader)"""
+    stack = KernelStack(spec, dtype, max_model_len, reference_kernels(name="dropped-layer"))
+    for model in (stack.model, stack.engine_model):
+        model.model.layers = model.model.layers[:-1]
+    return stack
+
+
+def truncated_routing(spec, dtype, max_model_len):
+    """reference, routing each token to top-(k-1) experts instead of top-k"""
+    ops = reference_kernels(name="truncated-routing")
+    route = ops.route
+    return KernelStack(spec, dtype, max_model_len,
+                       dataclasses.replace(ops, route=lambda logits, top_k, norm: route(logits, top_k - 1, norm)))

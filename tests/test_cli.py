@@ -72,7 +72,7 @@ BAD = {
     "bad module stack": (lambda t: ["--stack", "no_such_module:stack"], "cannot import stack module"),
     "unknown model": (lambda t: ["--model", "qwen4"], "unknown model"),
     "unknown dtype": (lambda t: ["--dtype", "fp8"], "unknown dtype 'fp8'"),
-    "prompt too long": (lambda t: ["--prompt-lens", "5000"], "exceeds the 4096 positions"),
+    "prompt too long": (lambda t: ["--prompt-lens", "9000"], "exceeds the 8192 positions"),
     "batch size 0": (lambda t: ["--batch-size", "0"], "batch size 0"),
     "negative temperature": (lambda t: ["--temperature", "-1"], "temperature -1.0 is negative"),
     "not a length list": (lambda t: ["--prompt-lens", "a,b"], "not a comma-separated list"),

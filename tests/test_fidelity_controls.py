@@ -17,7 +17,7 @@ from logdiff.cli.main import main
 from logdiff.conformance import test_c00_fidelity as c0
 from logdiff.conformance import test_c03_rollout_trainer as c3
 from logdiff.conformance.bitwise import Bitwise, PropertyViolation
-from logdiff.conformance.plugin import MAX_MODEL_LEN
+from logdiff.conformance.plugin import MAX_MODEL_LEN, model_len_for
 from logdiff.kernels import reference_kernels
 from logdiff.kernels.sampling import sample
 from logdiff.oracle import Oracle
@@ -42,7 +42,7 @@ def fixtures():
     def for_stack(stack):
         def builder(instance):
             cache = caches.setdefault(instance, StackCache())
-            return lambda w: cache.get(stack, w.spec, w.torch_dtype, MAX_MODEL_LEN)
+            return lambda w: cache.get(stack, w.spec, w.torch_dtype, model_len_for(w))
 
         return {"stack_for": builder("rollout"), "trainer_for": builder("trainer"), "oracle_for": oracle_for,
                 "bitwise": Bitwise()}
@@ -105,13 +105,23 @@ def cheats_importable(monkeypatch):
 
 
 CHEAT_RUNS = {  # stack, extra `logdiff run` options, what the user sees
-    "cheats:constant": ([], "C0 (rollout): |logp - logp_fp64| reaches"),
+    "cheats:constant": ([], "C0 (rollout): the median |logp - logp_fp64| over the tokens is"),
     "cheats:zero_attention": ([], "C0 (rollout): greedy token at seq 0 pos 0 is"),
-    "cheats:rounding": ([], "C0 (trainer): |logp - logp_fp64| reaches 0.0312"),
+    "cheats:rounding": ([], "C0 (trainer): the median |logp - logp_fp64| over the tokens is 0.01"),
     "cheats:EchoStack": ([], "C3 (rollout vs trainer): logprobs differ at seq"),
     "cheats:TunedStack": (["--prompt-lens", "33,71"], "C3 (rollout vs trainer): logprobs differ at seq"),
-    "cheats:wrong_temperature": (["--temperature", "0.7"], "C0 (rollout): |logp - logp_fp64| reaches"),
+    "cheats:wrong_temperature": (["--temperature", "0.7"], "C0 (rollout): the median |logp - logp_fp64| over the tokens is"),
     "cheats:model_dtype_logprobs": (["--dtype", "bf16"], "C0 (rollout): every nonzero log-prob is exactly a bf16 value"),
+    # consistently the wrong model, in the dtype RL trains in (the norm epsilon only shows above bf16's rounding)
+    "cheats:wrong_rope_base": (["--dtype", "bf16"], "C0 (rollout): the median |logp - logp_fp64| over the tokens is"),
+    "cheats:dropped_layer": (["--dtype", "bf16"], "C0 (rollout): the median |logp - logp_fp64| over the tokens is"),
+    "cheats:truncated_routing": (["--dtype", "bf16"], "C0 (rollout): the median |logp - logp_fp64| over the tokens is"),
+    "cheats:wrong_norm_eps": (["--dtype", "fp16"], "C0 (rollout): the median |logp - logp_fp64| over the tokens is"),
+    # kernel switches in the regimes the edge workloads never reach
+    "cheats:long_context_split": (["--prompt-lens", "2100,1990", "--batch-size", "2", "--max-new-tokens", "8"],
+                                  "C3 (rollout vs trainer): logprobs differ at seq"),
+    "cheats:large_batch_split": (["--prompt-lens", "129,140", "--batch-size", "64", "--max-new-tokens", "2", "--stagger", "0"],
+                                 "C3 (rollout vs trainer): logprobs differ at seq"),
 }
 
 
@@ -140,12 +150,29 @@ def test_c0_catches_the_consistent_cheats(cheats_importable, fixtures, stack):
     assert message.startswith("C0 (rollout): ") and "C0 (trainer): " in message
 
 
+# A norm epsilon of 1e-2 moves the median log-prob by 0.009, bf16's own rounding (logdiff.oracle.FIDELITY_BOUNDS):
+# no bf16 statistic can see it; fp32 and fp16 do.
+WRONG_MODELS = [(cheat, dtype) for cheat in ("wrong_rope_base", "dropped_layer", "truncated_routing", "wrong_norm_eps")
+                for dtype in ("fp32", "bf16", "fp16") if (cheat, dtype) != ("wrong_norm_eps", "bf16")]
+
+
+@pytest.mark.parametrize("cheat, dtype", WRONG_MODELS)
+def test_c0_catches_a_consistently_wrong_model_in_every_dtype(cheats_importable, fixtures, cheat, dtype):
+    """Rollout and trainer agree bit for bit on a model that is not the checkpoint's; the bulk of its tokens
+    moves, which a routing near-tie cannot do."""
+    import cheats
+
+    workload = "long-decode" if dtype == "fp32" else f"long-decode-{dtype}"
+    message = violation(c0.test_c0_runs_the_model, fixtures, getattr(cheats, cheat), workload=workload)
+    assert message.startswith("C0 (rollout): ") and "C0 (trainer): the " in message
+
+
 @pytest.mark.parametrize("temperature", [0.3, 0.7, 1.5])
 def test_c0_catches_log_probs_recorded_at_another_temperature(cheats_importable, fixtures, temperature):
     import cheats
 
     message = violation(c0.test_c0_runs_the_model, fixtures, cheats.wrong_temperature, workload=f"sampled-T{temperature}")
-    assert message.startswith("C0 (rollout): |logp - logp_fp64| reaches") and "C0 (trainer): " in message
+    assert message.startswith("C0 (rollout): the median |logp - logp_fp64| over the tokens is") and "C0 (trainer): " in message
 
 
 @pytest.mark.parametrize("workload", ["block-edges-sampled-bf16", "block-edges-sampled-fp16"])
@@ -179,7 +206,7 @@ def test_logdiff_check_fails_a_consistent_cheat_naming_c0(tmp_path):
     result = _check("cheats:rounding", "C0", tmp_path)
     assert result.returncode == 1, result.stderr
     assert "FAIL (differ) test_c0_runs_the_model[block-edges]" in result.stdout
-    assert "C0 (rollout): |logp - logp_fp64| reaches 0.0312" in result.stdout
+    assert "C0 (rollout): the median |logp - logp_fp64| over the tokens is 0.01" in result.stdout
     assert json.loads((tmp_path / "check.json").read_text())["stacks"][0]["properties"]["C0"]["verdict"] == "fail"
 
 
@@ -189,17 +216,55 @@ def test_logdiff_check_fails_log_probs_recorded_at_another_temperature(tmp_path)
     failed = {line.split()[-1] for line in result.stdout.splitlines() if line.startswith("FAIL ")}
     assert {f"test_c0_runs_the_model[sampled-T{t}]" for t in (0.3, 0.7, 1.5)} <= failed, result.stdout
     assert "test_c0_runs_the_model[block-edges]" not in failed  # greedy: right there
-    assert "C0 (rollout): |logp - logp_fp64| reaches" in result.stdout
+    assert "C0 (rollout): the median |logp - logp_fp64| over the tokens is" in result.stdout
 
 
 def test_logdiff_check_fails_a_prefill_that_switches_kernels_past_2048_tokens(tmp_path):
     """Bitwise on every workload but the one whose prefill step holds more than 2048 tokens."""
-    result = _check("cheats:big_step_prefill", "C4", tmp_path, "--property", "C5")
+    result = _check("cheats:big_step_prefill", "C4", tmp_path, "--property", "C5", "--property", "C7")
     assert result.returncode == 1, result.stderr
     failed = [line.split()[-1] for line in result.stdout.splitlines() if line.startswith("FAIL ")]
-    assert failed == ["test_c4_decode_matches_prefill[prefill-9k]", "test_c5_chunked_prefill_invariance_past_8192_tokens"], (
-        result.stdout)
+    assert failed == ["test_c4_decode_matches_prefill[prefill-9k]", "test_c5_chunked_prefill_invariance_past_8192_tokens",
+                      "test_c7_a_9k_token_prefill_step_joins_running_decodes"], result.stdout
     assert "reproduce: logdiff run --stack cheats:big_step_prefill --batch-size 20 --prompt-lens 440,470" in result.stdout
+
+
+@pytest.mark.parametrize("cheat, regime", [("long_context_split", "long-context"), ("large_batch_split", "batch-256")])
+def test_c3_catches_a_kernel_switch_only_in_its_regime(cheats_importable, fixtures, cheat, regime):
+    """Bitwise on every edge workload of C3; the regime workload past the switch catches it."""
+    import cheats
+
+    stack = getattr(cheats, cheat)
+    for workload in ("joins-mid-decode", "sampled", "long-decode", "prefill-9k"):
+        call(c3.test_c3_rollout_matches_trainer, fixtures, stack, workload=workload)
+    assert "logprobs differ at seq" in violation(c3.test_c3_rollout_matches_trainer, fixtures, stack, workload=regime)
+
+
+def _failed(result) -> set[str]:
+    return {line.split()[-1] for line in result.stdout.splitlines() if line.startswith("FAIL ")}
+
+
+@pytest.mark.parametrize("cheat, regime, run_line", [
+    ("long_context_split", {"test_c3_rollout_matches_trainer[long-context]", "test_c3_rollout_matches_trainer[seed-lengths]"},
+     "--batch-size 2 --prompt-lens 2100,1990"),
+    ("large_batch_split", {"test_c3_rollout_matches_trainer[batch-256]"}, "--batch-size 256 --prompt-lens 129,140,200,7"),
+])
+def test_logdiff_check_fails_a_kernel_switch_in_its_regime_only(tmp_path, cheat, regime, run_line):
+    """What the whole catalogue passed before it had regime workloads: now C3 fails there, and only there."""
+    result = _check(f"cheats:{cheat}", "C3", tmp_path)
+    assert result.returncode == 1, result.stderr
+    failed = _failed(result)
+    assert regime <= failed <= regime | {"test_c3_rollout_matches_trainer_generated_regimes"}, result.stdout
+    assert f"reproduce: logdiff run --stack cheats:{cheat} {run_line}" in result.stdout
+
+
+def test_logdiff_check_fails_a_wrong_rope_base_in_bf16(tmp_path):
+    result = _check("cheats:wrong_rope_base", "C0", tmp_path)
+    assert result.returncode == 1, result.stderr
+    failed = _failed(result)
+    assert {f"test_c0_runs_the_model[{case}-{dtype}]" for case in ("long-decode", "long-context")
+            for dtype in ("bf16", "fp16")} <= failed, result.stdout
+    assert "C0 (rollout): the median |logp - logp_fp64| over the tokens is" in result.stdout
 
 
 def test_logdiff_check_fails_the_tuned_stack_on_a_generated_workload(tmp_path):
@@ -207,7 +272,9 @@ def test_logdiff_check_fails_the_tuned_stack_on_a_generated_workload(tmp_path):
     result = _check("cheats:TunedStack", "C3", tmp_path)
     assert result.returncode == 1, result.stderr
     failed = [line for line in result.stdout.splitlines() if line.startswith("FAIL ")]
-    assert failed == ["FAIL (differ) test_c3_rollout_matches_trainer_generated"], result.stdout
+    # the regimes' generated workloads (other lengths too) catch it as well
+    assert failed == ["FAIL (differ) test_c3_rollout_matches_trainer_generated",
+                      "FAIL (differ) test_c3_rollout_matches_trainer_generated_regimes"], result.stdout
     assert "Falsifying example" in result.stdout or "Failing test case" in result.stdout
     assert "reproduce: logdiff run --stack cheats:TunedStack" in result.stdout
 
