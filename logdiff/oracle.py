@@ -45,7 +45,7 @@ from logdiff.weights import ModelSpec
 # workloads and the grid check catch it.
 FIDELITY_BOUNDS = {  # dtype: (median, q90, max at no routing tie)
     torch.float32: (2e-5, 5e-5, 1e-4),
-    torch.bfloat16: (0.03, 0.08, 2.0),
+    torch.bfloat16: (0.03, 0.04, 2.0),
     torch.float16: (0.003, 0.01, 1.5),
 }
 # A token's expert choice is at a tie when, in some MoE layer, the k-th and (k+1)-th router logits of the

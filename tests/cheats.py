@@ -217,3 +217,23 @@ def truncated_routing(spec, dtype, max_model_len):
     route = ops.route
     return KernelStack(spec, dtype, max_model_len,
                        dataclasses.replace(ops, route=lambda logits, top_k, norm: route(logits, top_k - 1, norm)))
+
+
+class _ModelDtypeRotaryTable(RotaryTable):
+    """cos/sin of angles whose positions and frequencies are the model dtype's (positions past 256 round in bf16)"""
+
+    def __init__(self, head_dim, theta, max_positions, dtype):
+        inv_freq = (1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))).to(dtype)
+        freqs = torch.arange(max_positions, dtype=dtype)[:, None] * inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1).float()
+        self.cos, self.sin = angles.cos(), angles.sin()
+
+
+def rope_angles_in_model_dtype(spec, dtype, max_model_len):
+    """reference, with rotary angles computed in the model dtype (bf16/fp16), as a table built from
+    `torch.arange(n, dtype=inv_freq.dtype)` does when inv_freq was cast with the model"""
+    stack = KernelStack(spec, dtype, max_model_len, reference_kernels(name="rope-angles-in-model-dtype"))
+    c = stack.model.config
+    for model in (stack.model, stack.engine_model):
+        model.rope = _ModelDtypeRotaryTable(c.head_dim, c.rope_theta, c.max_position_embeddings, dtype)
+    return stack
