@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from logdiff.api import Unsupported
+from logdiff.api import Processing, Unsupported
 from logdiff.batch import SeqBatch
 from logdiff.errors import UserError
 from logdiff.kernelset import KernelSet
@@ -144,30 +144,69 @@ class Oracle:
 
     @torch.no_grad()
     def distributions(self, sequences: Sequence[Sequence[int]], score_from: Sequence[int],
-                      temperatures: Sequence[float]) -> list[torch.Tensor]:
+                      temperatures: Sequence[float], processing: Sequence[Processing] | None = None) -> list[torch.Tensor]:
         """fp64 log p_T(. | tokens < i) over the whole vocabulary, [len - score_from, V] per sequence
-        (temperature 0 scores at 1, as a greedy token's log-prob does)."""
-        out = []
-        for seq, first, temp in zip(sequences, score_from, temperatures):
-            seqs = SeqBatch.from_lengths([len(seq)])
+        (temperature 0 scores at 1, as a greedy token's log-prob does), in each sequence's log-prob mode:
+        processed with the same truncation rules as a stack (`kept_tokens`) applied to the oracle's own fp64
+        logits (tokens outside the kept set at -inf), raw at temperature 1 untruncated."""
+        processing = processing or [Processing()] * len(sequences)
+        return [_in_mode(self._logits(seq, first), temp, proc)[0]
+                for seq, first, temp, proc in zip(sequences, score_from, temperatures, processing)]
 
-            def attend(layer, q, k, v, seqs=seqs):
-                return _causal_attention(q, k, v, seqs)
+    def _logits(self, seq: Sequence[int], first: int) -> torch.Tensor:
+        """fp64 logits [len - first, V] of the rows that predict tokens first..len-1."""
+        seqs = SeqBatch.from_lengths([len(seq)])
 
-            hidden = self.model.hidden_states(torch.as_tensor(seq, dtype=torch.long), seqs, ORACLE_KERNELS, attend)
-            logits = self.model.logits(hidden[first - 1 : len(seq) - 1], ORACLE_KERNELS)
-            out.append(F.log_softmax(logits / (temp if temp > 0 else 1.0), dim=-1))
-        return out
+        def attend(layer, q, k, v):
+            return _causal_attention(q, k, v, seqs)
 
+        hidden = self.model.hidden_states(torch.as_tensor(seq, dtype=torch.long), seqs, ORACLE_KERNELS, attend)
+        return self.model.logits(hidden[first - 1 : len(seq) - 1], ORACLE_KERNELS)
+
+    @torch.no_grad()
     def score(self, sequences: Sequence[Sequence[int]], score_from: Sequence[int],
-              temperatures: Sequence[float]) -> OracleScores:
+              temperatures: Sequence[float], processing: Sequence[Processing] | None = None) -> OracleScores:
+        """Each scored token's fp64 log-prob in its mode. A token the oracle's truncation drops by less than the
+        dtype's max bound (its tempered log-prob that close to the least likely kept token's) sits on the
+        boundary, where a stack's rounding may keep it: it is scored as kept (the kept set plus that token),
+        as greedy tokens are judged only where the top-2 margin is clear."""
         logprobs, margins, argmaxes = [], [], []
-        for seq, first, logp in zip(sequences, score_from, self.distributions(sequences, score_from, temperatures)):
-            logprobs.append(logp.gather(1, torch.as_tensor(seq[first:], dtype=torch.long)[:, None]).squeeze(1))
+        boundary = fidelity_bounds(self.dtype)[0]
+        processing = processing or [Processing()] * len(sequences)
+        for seq, first, temp, proc in zip(sequences, score_from, temperatures, processing):
+            logits = self._logits(seq, first)
+            logp, keep = _in_mode(logits, temp, proc)
+            targets = torch.as_tensor(seq[first:], dtype=torch.long)
+            chosen = logp.gather(1, targets[:, None]).squeeze(1)
+            if keep is not None:
+                tempered = F.log_softmax(logits / temp, dim=-1)
+                least_kept = tempered.masked_fill(~keep, float("inf")).amin(-1)
+                near = (chosen == float("-inf")) & (least_kept - tempered.gather(1, targets[:, None]).squeeze(1) <= boundary)
+                rows = near.nonzero().flatten()
+                widened = keep[rows].scatter(1, targets[rows, None], True)
+                chosen[rows] = F.log_softmax((logits[rows] / temp).masked_fill(~widened, float("-inf")), dim=-1).gather(
+                    1, targets[rows, None]).squeeze(1)
+            logprobs.append(chosen)
             top2 = logp.topk(2, dim=-1).values
             margins.append(top2[:, 0] - top2[:, 1])
             argmaxes.append(logp.argmax(-1))
         return OracleScores(logprobs, margins, argmaxes)
+
+
+def _in_mode(logits: torch.Tensor, temperature: float, processing: Processing) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(fp64 log-probs [N, V] in the processing's mode, the kept set [N, V] where it truncates, else None)."""
+    from logdiff.kernels.sampling import kept_tokens
+
+    if processing.logprobs_mode == "raw":
+        return F.log_softmax(logits, dim=-1), None
+    scale = temperature if temperature > 0 else 1.0
+    if not (processing.truncates and temperature > 0):
+        return F.log_softmax(logits / scale, dim=-1), None
+    rows = len(logits)
+    keep = kept_tokens(logits, torch.full((rows,), float(temperature), dtype=torch.float64),
+                       torch.full((rows,), processing.top_k), torch.full((rows,), processing.top_p, dtype=torch.float64),
+                       torch.full((rows,), processing.min_p, dtype=torch.float64))
+    return F.log_softmax(logits.masked_fill(~keep, float("-inf")) / scale, dim=-1), keep
 
 
 @dataclass(frozen=True)

@@ -50,12 +50,12 @@ def run_stack(stack: Stack, workload: Workload, trainer_stack: Stack | None = No
     start = time.perf_counter()
     rollout = stack.rollout(requests, engine_options(workload))
     scored = TrainerInputs.after(requests, rollout)
-    trainer = (trainer_stack or stack).trainer_logprobs(scored.sequences, scored.score_from, scored.temperatures)
+    trainer = scored.score(trainer_stack or stack)
     seconds = time.perf_counter() - start
     comparison = compare([o.logprobs for o in rollout], trainer)
     sides = []
     if oracle is not None:
-        exact = oracle.score(scored.sequences, scored.score_from, scored.temperatures)
+        exact = oracle.score(scored.sequences, scored.score_from, scored.temperatures, scored.processing)
         sides = [
             fidelity("rollout", [o.logprobs for o in rollout], exact, workload.torch_dtype, [o.tokens for o in rollout],
                      [r.temperature == 0 for r in requests]),
