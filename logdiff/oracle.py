@@ -128,6 +128,9 @@ class OracleScores:
     logprobs: list[torch.Tensor]  # fp64, one per sequence: log p(token i | < i) for i >= score_from
     top2_margin: list[torch.Tensor]  # fp64: log p(top-1) - log p(top-2) at each scored position
     argmax: list[torch.Tensor]  # the oracle's most likely token at each scored position
+    # bool, one per sequence: the token lies outside the oracle's kept set by more than the boundary margin
+    # (see Oracle.score); all False where the sequence is not truncated
+    dropped: list[torch.Tensor]
 
 
 class Oracle:
@@ -150,8 +153,11 @@ class Oracle:
         processed with the same truncation rules as a stack (`kept_tokens`) applied to the oracle's own fp64
         logits (tokens outside the kept set at -inf), raw at temperature 1 untruncated."""
         processing = processing or [Processing()] * len(sequences)
-        return [_in_mode(self._logits(seq, first), temp, proc)[0]
-                for seq, first, temp, proc in zip(sequences, score_from, temperatures, processing)]
+        out = []
+        for seq, first, temp, proc in zip(sequences, score_from, temperatures, processing):
+            logits = self._logits(seq, first)
+            out.append(_in_mode(logits, temp, proc, _kept(logits, temp, proc)))
+        return out
 
     def _logits(self, seq: Sequence[int], first: int) -> torch.Tensor:
         """fp64 logits [len - first, V] of the rows that predict tokens first..len-1."""
@@ -163,50 +169,71 @@ class Oracle:
         hidden = self.model.hidden_states(torch.as_tensor(seq, dtype=torch.long), seqs, ORACLE_KERNELS, attend)
         return self.model.logits(hidden[first - 1 : len(seq) - 1], ORACLE_KERNELS)
 
-    @torch.no_grad()
     def score(self, sequences: Sequence[Sequence[int]], score_from: Sequence[int],
               temperatures: Sequence[float], processing: Sequence[Processing] | None = None) -> OracleScores:
-        """Each scored token's fp64 log-prob in its mode. A token the oracle's truncation drops by less than the
-        dtype's max bound (its tempered log-prob that close to the least likely kept token's) sits on the
-        boundary, where a stack's rounding may keep it: it is scored as kept (the kept set plus that token),
-        as greedy tokens are judged only where the top-2 margin is clear."""
-        logprobs, margins, argmaxes = [], [], []
+        """Each scored token's fp64 log-prob in its sequence's mode (see `readings`)."""
+        return self.readings(sequences, score_from, temperatures, {"": processing})[""]
+
+    @torch.no_grad()
+    def readings(self, sequences: Sequence[Sequence[int]], score_from: Sequence[int], temperatures: Sequence[float],
+                 readings: dict[str, Sequence[Processing] | None]) -> dict[str, OracleScores]:
+        """The same sequences scored under several processings (name -> one Processing per sequence, None:
+        Processing() each), from one fp64 forward per sequence.
+
+        A token the oracle's truncation drops by less than the dtype's max bound (its tempered log-prob that
+        close to the least likely kept token's) sits on the boundary, where a stack's rounding may keep it:
+        it is scored as kept (the kept set plus that token) and not counted as dropped, as greedy tokens are
+        judged only where the top-2 margin is clear."""
         boundary = fidelity_bounds(self.dtype)[0]
-        processing = processing or [Processing()] * len(sequences)
-        for seq, first, temp, proc in zip(sequences, score_from, temperatures, processing):
+        scores = {name: OracleScores([], [], [], []) for name in readings}
+        for s, (seq, first, temp) in enumerate(zip(sequences, score_from, temperatures)):
             logits = self._logits(seq, first)
-            logp, keep = _in_mode(logits, temp, proc)
-            targets = torch.as_tensor(seq[first:], dtype=torch.long)
-            chosen = logp.gather(1, targets[:, None]).squeeze(1)
-            if keep is not None:
-                tempered = F.log_softmax(logits / temp, dim=-1)
-                least_kept = tempered.masked_fill(~keep, float("inf")).amin(-1)
-                near = (chosen == float("-inf")) & (least_kept - tempered.gather(1, targets[:, None]).squeeze(1) <= boundary)
-                rows = near.nonzero().flatten()
-                widened = keep[rows].scatter(1, targets[rows, None], True)
-                chosen[rows] = F.log_softmax((logits[rows] / temp).masked_fill(~widened, float("-inf")), dim=-1).gather(
-                    1, targets[rows, None]).squeeze(1)
-            logprobs.append(chosen)
-            top2 = logp.topk(2, dim=-1).values
-            margins.append(top2[:, 0] - top2[:, 1])
-            argmaxes.append(logp.argmax(-1))
-        return OracleScores(logprobs, margins, argmaxes)
+            targets = torch.as_tensor(seq[first:], dtype=torch.long)[:, None]
+            tempered = F.log_softmax(logits / (temp if temp > 0 else 1.0), dim=-1)
+            for name, processing in readings.items():
+                proc = processing[s] if processing is not None else Processing()
+                keep = _kept(logits, temp, proc)
+                logp = _in_mode(logits, temp, proc, keep)
+                chosen = logp.gather(1, targets).squeeze(1)
+                dropped = torch.zeros_like(chosen, dtype=torch.bool)
+                if keep is not None:
+                    least_kept = tempered.masked_fill(~keep, float("inf")).amin(-1)
+                    outside = ~keep.gather(1, targets).squeeze(1)
+                    near = outside & (least_kept - tempered.gather(1, targets).squeeze(1) <= boundary)
+                    dropped = outside & ~near
+                    if proc.logprobs_mode == "processed":
+                        rows = near.nonzero().flatten()
+                        chosen[rows] = _in_mode(logits[rows], temp, proc, keep[rows].scatter(1, targets[rows], True)).gather(
+                            1, targets[rows]).squeeze(1)
+                top2 = logp.topk(2, dim=-1).values
+                out = scores[name]
+                out.logprobs.append(chosen)
+                out.top2_margin.append(top2[:, 0] - top2[:, 1])
+                out.argmax.append(logp.argmax(-1))
+                out.dropped.append(dropped)
+        return scores
 
 
-def _in_mode(logits: torch.Tensor, temperature: float, processing: Processing) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(fp64 log-probs [N, V] in the processing's mode, the kept set [N, V] where it truncates, else None)."""
+def _kept(logits: torch.Tensor, temperature: float, processing: Processing) -> torch.Tensor | None:
+    """The kept set [N, V] of a sampled, truncated row (`kept_tokens` on fp64 logits); None where nothing is cut."""
     from logdiff.kernels.sampling import kept_tokens
 
-    if processing.logprobs_mode == "raw":
-        return F.log_softmax(logits, dim=-1), None
-    scale = temperature if temperature > 0 else 1.0
     if not (processing.truncates and temperature > 0):
-        return F.log_softmax(logits / scale, dim=-1), None
+        return None
     rows = len(logits)
-    keep = kept_tokens(logits, torch.full((rows,), float(temperature), dtype=torch.float64),
+    return kept_tokens(logits, torch.full((rows,), float(temperature), dtype=torch.float64),
                        torch.full((rows,), processing.top_k), torch.full((rows,), processing.top_p, dtype=torch.float64),
                        torch.full((rows,), processing.min_p, dtype=torch.float64))
-    return F.log_softmax(logits.masked_fill(~keep, float("-inf")) / scale, dim=-1), keep
+
+
+def _in_mode(logits: torch.Tensor, temperature: float, processing: Processing, keep: torch.Tensor | None) -> torch.Tensor:
+    """fp64 log-probs [N, V] in the processing's mode: raw at temperature 1 whole; processed at the temperature
+    (0 scores at 1) over `keep` (None: every token)."""
+    if processing.logprobs_mode == "raw":
+        return F.log_softmax(logits, dim=-1)
+    if keep is not None:
+        logits = logits.masked_fill(~keep, float("-inf"))
+    return F.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
 
 
 @dataclass(frozen=True)
@@ -346,9 +373,9 @@ def sampling_fit(tokens: Sequence[Sequence[int]], logp_rows: Sequence[torch.Tens
     logp = torch.cat(list(logp_rows))
     drawn = torch.as_tensor([t for toks in tokens for t in toks], dtype=torch.long)
     p = logp.exp()
-    entropy_terms = p * logp
-    mean = entropy_terms.sum(-1)  # E[log p(x)] = -H
-    var = (p * logp.square()).sum(-1) - mean.square()
+    finite = torch.where(p > 0, logp, 0.0)  # a truncated distribution's impossible tokens add nothing (0 * -inf)
+    mean = (p * finite).sum(-1)  # E[log p(x)] = -H
+    var = (p * finite.square()).sum(-1) - mean.square()
     chosen = logp.gather(1, drawn[:, None]).squeeze(1)
     z = float((chosen - mean).sum() / var.sum().sqrt())
     # Randomised PIT over tokens sorted by probability: u = F(before x) + V * p(x) is uniform under the model.

@@ -14,6 +14,18 @@ from logdiff.weights import ModelSpec, parse_dtype
 DEFAULT_PROMPT_LENS = (1, 127, 128, 129, 17, 300)
 
 
+def validate_processing(p: Processing) -> None:
+    """Raises UserError for a truncation or log-prob mode no sampler could honour."""
+    if p.top_k < 0:
+        raise UserError(f"top-k {p.top_k} is negative; pass --top-k 0 (off) or the number of tokens to keep")
+    if not 0 < p.top_p <= 1:
+        raise UserError(f"top-p {p.top_p} is outside (0, 1]; pass --top-p 1 (off) or the mass to keep, e.g. 0.9")
+    if not 0 <= p.min_p <= 1:
+        raise UserError(f"min-p {p.min_p} is outside [0, 1]; pass --min-p 0 (off) or a fraction, e.g. 0.05")
+    if p.logprobs_mode not in LOGPROB_MODES:
+        raise UserError(f"log-prob mode {p.logprobs_mode!r} is unknown; pass --logprobs-mode {' or '.join(LOGPROB_MODES)}")
+
+
 @dataclass(frozen=True)
 class Workload:
     model: str = "qwen3-moe-tiny"
@@ -59,15 +71,7 @@ class Workload:
             raise UserError(f"max new tokens {self.max_new_tokens} is not positive; pass --max-new-tokens 1 or more")
         if self.temperature < 0:
             raise UserError(f"temperature {self.temperature} is negative; pass --temperature 0 (greedy) or more")
-        if self.top_k < 0:
-            raise UserError(f"top-k {self.top_k} is negative; pass --top-k 0 (off) or the number of tokens to keep")
-        if not 0 < self.top_p <= 1:
-            raise UserError(f"top-p {self.top_p} is outside (0, 1]; pass --top-p 1 (off) or the mass to keep, e.g. 0.9")
-        if not 0 <= self.min_p <= 1:
-            raise UserError(f"min-p {self.min_p} is outside [0, 1]; pass --min-p 0 (off) or a fraction, e.g. 0.05")
-        if self.logprobs_mode not in LOGPROB_MODES:
-            raise UserError(f"log-prob mode {self.logprobs_mode!r} is unknown; pass --logprobs-mode "
-                            f"{' or '.join(LOGPROB_MODES)}")
+        validate_processing(self.processing)
         if self.block_size < 1:
             raise UserError(
                 f"block size {self.block_size} is not positive; pass --block-size 1 or more (default {DEFAULT_PAGE_SIZE})")

@@ -104,7 +104,7 @@ def measure(stack: Stack, case: Case, workload: Workload) -> Measurement:
     start = time.perf_counter()
     rollout = stack.rollout(requests)
     scored = TrainerInputs.after(requests, rollout)
-    trainer = stack.trainer_logprobs(scored.sequences, scored.score_from, scored.temperatures)
+    trainer = scored.score(stack)
     return Measurement(time.perf_counter() - start, case.counted_tokens, [o.tokens for o in rollout],
                        (scored, [o.logprobs for o in rollout], trainer))
 

@@ -6,7 +6,7 @@ import argparse
 import os
 
 from logdiff import stacks
-from logdiff.api import LOGPROB_MODES
+from logdiff.api import LOGPROB_MODES, Processing
 from logdiff.errors import UserError
 from logdiff.stacks import RUN_STACKS
 from logdiff.workload import DEFAULT_PROMPT_LENS, Workload
@@ -115,14 +115,18 @@ LOGPROBS_MODE_HELP = (
 
 
 def add_processing_args(p: argparse.ArgumentParser) -> None:
-    """Truncation of the sampled distribution and the log-prob mode; they apply to sampled tokens (--temperature > 0)."""
-    d = Workload()
+    """Truncation of the sampled distribution and the log-prob mode; truncation applies to sampled tokens only."""
+    d = Processing()
     p.add_argument("--top-k", type=int, default=d.top_k, help="sample from the k likeliest tokens (default 0: off)")
     p.add_argument("--top-p", type=float, default=d.top_p,
                    help="sample from the likeliest tokens whose mass reaches P (default 1: off)")
     p.add_argument("--min-p", type=float, default=d.min_p,
                    help="sample from tokens at least P times as likely as the likeliest (default 0: off)")
     p.add_argument("--logprobs-mode", choices=LOGPROB_MODES, default=d.logprobs_mode, help=LOGPROBS_MODE_HELP)
+
+
+def processing_from_args(args) -> Processing:
+    return Processing(args.top_k, args.top_p, args.min_p, args.logprobs_mode)
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
