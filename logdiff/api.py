@@ -55,11 +55,15 @@ class Processing:
     def truncates(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
-    def describe(self) -> str:
-        """'top-k 50, top-p 0.9, processed log-probs' (only the truncations that are on)."""
+    def truncation(self) -> str:
+        """'top-k 50, top-p 0.9' (the truncations that are on), or 'no truncation'."""
         parts = [f"top-k {self.top_k}"] * (self.top_k > 0) + [f"top-p {self.top_p:g}"] * (self.top_p < 1.0) + (
             [f"min-p {self.min_p:g}"] * (self.min_p > 0.0))
-        return ", ".join(parts + [f"{self.logprobs_mode} log-probs"])
+        return ", ".join(parts) or "no truncation"
+
+    def describe(self) -> str:
+        """'top-k 50, top-p 0.9, processed log-probs'."""
+        return f"{self.truncation()}, {self.logprobs_mode} log-probs"
 
 
 @dataclass(frozen=True)
