@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from logdiff.api import LOGPROB_MODES, Processing, Request, TrainerInputs
-from logdiff.oracle import fidelity_bounds, sampling_fit
+from logdiff.oracle import mode_mismatch, readings_of, sampling_fit
 
 from .bitwise import PropertyViolation
 from .runs import rollout
@@ -36,41 +36,16 @@ def truncated_workload(truncation: str, mode: str):
     return dataclasses.replace(SEMANTICS_BASE, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, logprobs_mode=mode)
 
 
-def readings(processing: Processing) -> dict[str, Processing]:
-    """What recorded log-probs can mean, the asked-for mode first: the name of a reading -> its Processing."""
-    processed = dataclasses.replace(processing, logprobs_mode="processed")
-    raw = dataclasses.replace(processing, logprobs_mode="raw")
-    return {
-        f"{processing.logprobs_mode} ({processing.truncation()})": processing,
-        **{name: p for name, p in (
-            ("raw (log_softmax of the logits at temperature 1, untruncated)", raw),
-            ("processed (the tempered distribution and its truncation)", processed),
-            ("the tempered distribution without its truncation", Processing()),
-        ) if p != processing},
-    }
-
-
 def assert_reads_as_its_mode(side: str, logprobs, scored: TrainerInputs, oracle, dtype) -> None:
     """`side`'s log-probs within the dtype's max bound of the oracle's reading in the requested mode; if not,
-    the message names the reading they do fit."""
+    the message names the reading they do fit (logdiff.oracle.mode_mismatch)."""
     __tracebackhide__ = True
-    bound = fidelity_bounds(dtype)[0]
-    meanings = readings(scored.processing[0])
+    meanings = readings_of(scored.processing[0])
     scores = oracle.readings(scored.sequences, scored.score_from, scored.temperatures,
                              {name: [p] * len(scored.sequences) for name, p in meanings.items()})
-    values = torch.cat([x.detach().double() for x in logprobs])
-    error = {name: float((values - torch.cat(s.logprobs)).abs().nan_to_num(torch.inf).max()) for name, s in scores.items()}
-    asked, *others = meanings
-    if error[asked] <= bound:
-        return
-    fits = min(others, key=error.get)
-    if error[fits] <= bound:
-        raise PropertyViolation(
-            f"C15 ({side}): log-probs read as {fits} (max |logp - fp64| {error[fits]:.3g}), not as the requests' "
-            f"{asked} (max |logp - fp64| {error[asked]:.3g}, bound {bound:g}): log-prob mode mismatch")
-    raise PropertyViolation(
-        f"C15 ({side}): log-probs fit no reading: max |logp - fp64| {error[asked]:.3g} against the requests' {asked}, "
-        f"{error[fits]:.3g} against {fits} (bound {bound:g})")
+    problem = mode_mismatch(side, logprobs, scores, dtype)
+    if problem:
+        raise PropertyViolation(problem)
 
 
 @pytest.mark.parametrize("mode", LOGPROB_MODES)

@@ -10,6 +10,7 @@ the order of its reductions. Property C0 bounds that gap per dtype (`FIDELITY_BO
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -326,6 +327,40 @@ def fidelity(side: str, logprobs: Sequence[torch.Tensor], oracle: OracleScores, 
                 break
     return Fidelity(side, worst_err, worst_mean, worst_at, bound_max, bound_mean, mismatch,
                     rounded_to_model_dtype(logprobs, dtype))
+
+
+def readings_of(processing: Processing) -> dict[str, Processing]:
+    """What recorded log-probs can mean, the asked-for reading first: its name -> its Processing."""
+    raw = dataclasses.replace(processing, logprobs_mode="raw")
+    processed = dataclasses.replace(processing, logprobs_mode="processed")
+    return {
+        f"{processing.logprobs_mode} ({processing.truncation()})": processing,
+        **{name: p for name, p in (
+            ("raw (log_softmax of the logits at temperature 1, untruncated)", raw),
+            ("processed (the tempered distribution and its truncation)", processed),
+            ("the tempered distribution without its truncation", Processing()),
+        ) if p != processing},
+    }
+
+
+def mode_mismatch(side: str, logprobs: Sequence[torch.Tensor], scores: dict[str, OracleScores],
+                  dtype: torch.dtype) -> str | None:
+    """C15: one line if `side`'s log-probs are not within the dtype's max bound of the oracle's first reading
+    (the asked-for one, see `readings_of`), naming the reading they fit when one does; else None."""
+    bound = fidelity_bounds(dtype)[0]
+    values = torch.cat([x.detach().double() for x in logprobs])
+    error = {name: float((values - torch.cat(s.logprobs)).abs().nan_to_num(torch.inf).max()) for name, s in scores.items()}
+    asked, *others = scores
+    if error[asked] <= bound:
+        return None
+    if not others:
+        return (f"C15 ({side}): max |logp - fp64| {error[asked]:.3g} against the requests' {asked}, bound {bound:g}")
+    fits = min(others, key=error.get)
+    if error[fits] <= bound:
+        return (f"C15 ({side}): log-probs read as {fits} (max |logp - fp64| {error[fits]:.3g}), not as the requests' "
+                f"{asked} (max |logp - fp64| {error[asked]:.3g}, bound {bound:g}): log-prob mode mismatch")
+    return (f"C15 ({side}): log-probs fit no reading: max |logp - fp64| {error[asked]:.3g} against the requests' {asked}, "
+            f"{error[fits]:.3g} against {fits} (bound {bound:g})")
 
 
 SAMPLING_ALPHA = 1e-3  # significance of each sampling test; the draws are seeded, so a verdict reproduces

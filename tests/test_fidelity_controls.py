@@ -112,6 +112,10 @@ CHEAT_RUNS = {  # stack, extra `logdiff run` options, what the user sees
     "cheats:TunedStack": (["--prompt-lens", "33,71"], "C3 (rollout vs trainer): logprobs differ at seq"),
     "cheats:wrong_temperature": (["--temperature", "0.7"], "C0 (rollout): |logp - logp_fp64| reaches"),
     "cheats:model_dtype_logprobs": (["--dtype", "bf16"], "C0 (rollout): every nonzero log-prob is exactly a bf16 value"),
+    "cheats:raw_logprobs": (["--temperature", "0.8", "--top-k", "50", "--top-p", "0.9"],
+                            "C15 (rollout): log-probs read as raw (log_softmax of the logits at temperature 1, untruncated)"),
+    "cheats:trainer_ignores_truncation": (["--temperature", "0.8", "--top-p", "0.9"],
+                                          "C15 (trainer): log-probs read as the tempered distribution without its truncation"),
 }
 
 
