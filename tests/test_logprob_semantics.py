@@ -205,3 +205,13 @@ def test_c15_catches_a_sampler_that_ignores_the_truncation(cheats_importable, fi
     assert "lies outside the kept set of top-k 20 at temperature 0.8" in message
     message = violation(c15.test_c15_sampling_follows_the_truncated_distribution, fixtures, stack, truncation="top-p")
     assert message.startswith("at temperature 0.8, top-p 0.9: C0 (sampling):")
+
+
+@pytest.mark.parametrize("degrees, mode", [(["--rollout-tp", "2"], "processed"), (["--trainer-tp", "2"], "raw")])
+def test_truncation_is_the_same_at_every_tensor_parallel_degree(capsys, degrees, mode):
+    """The kept set is decided on the gathered vocabulary row, so a sharded side keeps what one process keeps."""
+    assert main(["run", "--stack", "reference", "--model", "qwen3-dense-tiny", "--batch-size", "3", "--prompt-lens",
+                 "7,33,130", "--max-new-tokens", "8", "--temperature", "0.8", "--top-k", "50", "--top-p", "0.9",
+                 "--min-p", "0.02", "--logprobs-mode", mode, *degrees]) == 0
+    row = next(line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("reference"))
+    assert row[1] == row[2] == "24" and row[-2] == "pass"
