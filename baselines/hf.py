@@ -5,6 +5,11 @@ transformers has no continuous batching: requests that arrive at the same engine
 static, left-padded `generate` batch. Paged-cache options (page size, chunked prefill, permuted
 block tables) do not exist there, so the stack declines them. Sampling uses torch's global RNG,
 seeded from the first request of the batch, as an HF-based rollout would.
+
+Truncation is generate's own logits processors (temperature, top-k, top-p, min-p, in that order, on fp32
+logits); a processed log-prob is log_softmax of generate's `scores` (after the processors), a raw one of
+its `logits` (before them). The trainer applies the same processor classes to its own logits: what an
+HF-based trainer (TRL) recomputes.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from itertools import groupby
 import torch
 import torch.nn.functional as F
 
-from logdiff.api import EngineOptions, RolloutOutput, Stack, Unsupported
+from logdiff.api import EngineOptions, Processing, RolloutOutput, Stack, Unsupported
 from logdiff.baselines.hf_capture import capture_hooks, capture_logprobs
 from logdiff.kernels.logsoftmax import scoring_temperature
 
@@ -58,13 +63,20 @@ class HFStack(Stack):
     def sync_weights(self):
         pass  # `generate` runs on the trainer's own model: it already sees every update
 
-    def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, capture=None):
+    def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, capture=None, processing=None):
         ids, mask = _padded(sequences, left=False)
+        processing = processing or [Processing()] * len(sequences)
         with torch.set_grad_enabled(grad), capture_hooks(self.model, capture, list(range(len(sequences)))):
             logits = self.model(input_ids=ids, attention_mask=mask).logits
             out = []
-            for i, (s, first, temp) in enumerate(zip(sequences, score_from, temperatures)):
-                rows = logits[i, first - 1 : len(s) - 1].float() / scoring_temperature(torch.tensor(temp))
+            for i, (s, first, temp, proc) in enumerate(zip(sequences, score_from, temperatures, processing)):
+                rows = logits[i, first - 1 : len(s) - 1].float()
+                if proc.logprobs_mode == "raw":
+                    pass  # log_softmax of the logits at temperature 1
+                elif proc.truncates and temp > 0:
+                    rows = _warpers(temp, proc)(ids[i : i + 1, :first], rows)
+                else:
+                    rows = rows / scoring_temperature(torch.tensor(temp))
                 target = torch.tensor(s[first:])
                 out.append(F.log_softmax(rows, dim=-1).gather(1, target[:, None]).squeeze(1))
         scored = [torch.arange(first - 1, len(s) - 1) for s, first in zip(sequences, score_from)]
@@ -84,27 +96,49 @@ class HFStack(Stack):
         return [outputs[i] for i in range(len(requests))]
 
     def _generate(self, requests, indices: list[int], capture) -> list[RolloutOutput]:
-        if len({(r.max_new_tokens, r.temperature) for r in requests}) > 1:
-            raise Unsupported("one generate call needs one max_new_tokens and temperature per batch")
+        if len({(r.max_new_tokens, r.temperature, r.processing) for r in requests}) > 1:
+            raise Unsupported("one generate call needs one max_new_tokens, temperature, truncation and log-prob mode "
+                              "per batch")
         ids, mask = _padded([r.prompt for r in requests], left=True)
         width = ids.shape[1]
         first = requests[0]
+        proc = first.processing
         sampling = dict(do_sample=False)
         if first.temperature > 0:
             torch.manual_seed(first.seed)
-            sampling = dict(do_sample=True, temperature=first.temperature, top_k=0, top_p=1.0)
+            sampling = dict(do_sample=True, temperature=first.temperature, top_k=proc.top_k, top_p=proc.top_p,
+                            min_p=proc.min_p or None)
+        processed_scores = proc.logprobs_mode == "processed" and proc.truncates and first.temperature > 0
         with capture_hooks(self.model, capture, indices):
             gen = self.model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=first.max_new_tokens, min_new_tokens=first.max_new_tokens,
-                output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None, **sampling,
+                output_logits=True, output_scores=processed_scores, return_dict_in_generate=True, pad_token_id=0,
+                eos_token_id=None, **sampling,
             )
         tokens = gen.sequences[:, width:]
-        # raw logits, before any processor
-        logits = torch.stack(gen.logits, dim=1).float() / scoring_temperature(torch.tensor(first.temperature))
+        if processed_scores:  # after generate's processors: tempered, the dropped tokens at -inf
+            logits = torch.stack(gen.scores, dim=1).float()
+        else:  # raw logits, before any processor
+            scale = 1.0 if proc.logprobs_mode == "raw" else first.temperature
+            logits = torch.stack(gen.logits, dim=1).float() / scoring_temperature(torch.tensor(scale))
         logp = F.log_softmax(logits, dim=-1).gather(2, tokens[..., None]).squeeze(2)
         steps = torch.arange(tokens.shape[1])
         capture_logprobs(capture, indices, [len(r.prompt) - 1 + steps for r in requests], list(logp))
         return [RolloutOutput(t.tolist(), lp.clone()) for t, lp in zip(tokens, logp)]
+
+
+def _warpers(temperature: float, processing: Processing):
+    """The processors `generate(do_sample=True, ...)` applies for this temperature and truncation, in its order."""
+    from transformers import LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)] if temperature != 1.0 else [])
+    if processing.top_k:
+        warpers.append(TopKLogitsWarper(processing.top_k))
+    if processing.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(processing.top_p))
+    if processing.min_p:
+        warpers.append(MinPLogitsWarper(processing.min_p))
+    return warpers
 
 
 def _padded(sequences, left: bool) -> tuple[torch.Tensor, torch.Tensor]:

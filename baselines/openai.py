@@ -5,11 +5,15 @@ The server is named by `--server-url URL` (or env `LOGDIFF_SERVER_URL`, e.g. htt
 the model it serves by env `LOGDIFF_SERVER_MODEL`, else the first id of its `GET /v1/models`. Start
 it on the checkpoint the trainer builds: `--model DIR` for your own, or, for the seeded default,
 `ModelSpec(name, seed).checkpoint_dir(dtype)`; with `--dtype` matching, and (vLLM)
-`--logprobs-mode processed_logprobs` so a sampled token's log-prob is of the tempered distribution.
+`--logprobs-mode processed_logprobs` so a sampled token's log-prob is of the distribution sampled from
+(tempered, truncated). The mode is the server's, fixed at its start: env `LOGDIFF_SERVER_LOGPROBS_MODE`
+(processed, the default, or raw for a server started with raw_logprobs) says which, and requests that
+ask for the other are declined.
 
 Each request is one `POST /v1/completions` with the prompt as token ids, `max_tokens`, `temperature`,
 `seed`, `logprobs: 0` (the sampled token's) and `return_tokens_as_token_ids: true` (tokens come back as
-"token_id:N", so no tokenizer is needed on either side), `ignore_eos`, top-k/top-p off. Requests are
+"token_id:N", so no tokenizer is needed on either side), `ignore_eos`, the request's top_k (-1: off),
+top_p and min_p (vLLM's and SGLang's extra sampling parameters). Requests are
 sent together (the server batches them as it likes; `arrival` is not honoured); a server's engine
 options are fixed when it starts, so other `EngineOptions` are declined. One attempt per request, a
 timeout on each (`LOGDIFF_REMOTE_TIMEOUT`, default 600 s); any failure is one line (exit 2).
@@ -25,7 +29,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from logdiff.api import EngineOptions, Unsupported
+from logdiff.api import DEFAULT_LOGPROBS_MODE, LOGPROB_MODES, EngineOptions, Unsupported
 from logdiff.errors import UserError
 from logdiff.remote import DEFAULT_TIMEOUT_S, RemoteError, RemoteRollout
 
@@ -42,6 +46,15 @@ def server_url() -> str:
     return url
 
 
+def server_logprobs_mode() -> str:
+    """The log-prob mode the server was started with (env LOGDIFF_SERVER_LOGPROBS_MODE, default processed)."""
+    mode = os.environ.get("LOGDIFF_SERVER_LOGPROBS_MODE", DEFAULT_LOGPROBS_MODE)
+    if mode not in LOGPROB_MODES:
+        raise UserError(f"LOGDIFF_SERVER_LOGPROBS_MODE={mode!r} is not a log-prob mode; set it to "
+                        f"{' or '.join(LOGPROB_MODES)} (the server's --logprobs-mode, processed_logprobs or raw_logprobs)")
+    return mode
+
+
 def request_body(model: str | None, request) -> dict:
     body = {
         "prompt": list(request.prompt), "max_tokens": request.max_new_tokens, "logprobs": 0,
@@ -49,7 +62,7 @@ def request_body(model: str | None, request) -> dict:
         "temperature": request.temperature,
     }
     if request.temperature > 0:
-        body["seed"] = request.seed
+        body.update(seed=request.seed, top_k=request.top_k or -1, top_p=request.top_p, min_p=request.min_p)
     if model:
         body["model"] = model
     return body
@@ -116,6 +129,7 @@ class OpenAIStack(RemoteRollout):
         self.url = server_url()
         self.model = os.environ.get("LOGDIFF_SERVER_MODEL") or None
         self.timeout = DEFAULT_TIMEOUT_S
+        self.logprobs_mode = server_logprobs_mode()
 
     def served_model(self) -> str:
         if self.model is None:
@@ -129,6 +143,10 @@ class OpenAIStack(RemoteRollout):
     def remote_rollout(self, requests, options):
         if options != EngineOptions():
             raise Unsupported("a running server's engine options (KV block, chunked prefill) are fixed when it starts")
+        other = {r.logprobs_mode for r in requests} - {self.logprobs_mode}
+        if other:
+            raise Unsupported(f"the server computes {self.logprobs_mode} log-probs (its --logprobs-mode, fixed when it "
+                              f"starts; LOGDIFF_SERVER_LOGPROBS_MODE), not {other.pop()} ones")
         model = self.served_model()
 
         def one(request):
@@ -143,6 +161,7 @@ class OpenAIStack(RemoteRollout):
         info = super().describe()
         info["server"] = self.url
         info["served_model"] = self.model or "(first of /v1/models)"
+        info["server_logprobs_mode"] = self.logprobs_mode
         return info
 
 

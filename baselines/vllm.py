@@ -14,6 +14,11 @@ token's log-prob only). The engine is eager (`enforce_eager`). Engine options ma
                  and max_num_seqs no larger), so no forward holds more prompt tokens than that
   shuffle_pages  declined: vLLM allocates its own block tables
 
+A request's truncation goes into its `SamplingParams` (top_k, top_p, min_p; vLLM applies min-p before
+top-k/top-p, logdiff after: they keep other sets only when top-p and min-p are combined) and its log-prob
+mode into the engine's `logprobs_mode` (processed -> processed_logprobs, raw -> raw_logprobs), one per
+engine: a rollout whose requests ask for both modes is declined, and each mode gets its own engine.
+
 An engine is started on the first rollout (a trainer instance of the stack never starts one), and another
 for each other set of engine options (20-30 s each on 2 cores); `LOGDIFF_MAX_CHILDREN` caps how many
 run at once (about 2 GB each), the least recently used stopping first and starting again when asked.
@@ -30,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from logdiff.api import EngineOptions, Unsupported
+from logdiff.api import DEFAULT_LOGPROBS_MODE, EngineOptions, Processing, Unsupported
 from logdiff.remote import ChildProcess, RemoteError, RemoteRollout
 from logdiff.weights import TORCH_DTYPE_NAMES
 
@@ -38,6 +43,9 @@ CHILD = Path(__file__).with_name("vllm_child.py")
 KV_CACHE_BYTES = int(os.environ.get("LOGDIFF_VLLM_KV_BYTES", 1 << 28))  # else vLLM takes 92 % of RAM on CPU
 CPU_BLOCK_MULTIPLE = 32
 _DECLINED: dict[tuple, Unsupported] = {}  # (python, env) whose engine cannot start on this platform: tried once
+# logdiff's log-prob mode -> vLLM's logprobs_mode (an engine argument). vLLM's default, raw_logprobs, is
+# log_softmax(logits) whatever the temperature and truncation: at T != 1 or truncated not the sampling policy.
+VLLM_LOGPROBS_MODES = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
 
 
 def vllm_python() -> str:
@@ -45,7 +53,7 @@ def vllm_python() -> str:
 
 
 def engine_kwargs(checkpoint: str, dtype: torch.dtype, max_model_len: int, options: EngineOptions, seed: int = 0,
-                  block_multiple: int = CPU_BLOCK_MULTIPLE) -> dict:
+                  block_multiple: int = CPU_BLOCK_MULTIPLE, logprobs_mode: str = DEFAULT_LOGPROBS_MODE) -> dict:
     """The `LLM(...)` arguments for this model and these engine options; `Unsupported` for options vLLM lacks."""
     if options.shuffle_pages is not None:
         raise Unsupported("vLLM allocates its own KV block tables; logdiff cannot permute them (shuffle_pages)")
@@ -55,11 +63,10 @@ def engine_kwargs(checkpoint: str, dtype: torch.dtype, max_model_len: int, optio
     kwargs = dict(
         model=checkpoint, skip_tokenizer_init=True, dtype=TORCH_DTYPE_NAMES[dtype], seed=seed, enforce_eager=True,
         max_model_len=max_model_len, block_size=options.page_size, kv_cache_memory_bytes=KV_CACHE_BYTES,
-        # The log-prob of the distribution actually sampled from: logits / temperature (top-k/top-p off), so
-        # it is what a trainer recomputes at the rollout's temperature. The default, raw_logprobs, is
-        # log_softmax(logits) whatever the temperature: at T != 1 not the sampling policy, and no trainer
-        # scoring at T could match it. Greedy requests are scored at temperature 1 in both modes.
-        logprobs_mode="processed_logprobs",
+        # processed_logprobs: the log-prob of the distribution actually sampled from (logits / temperature,
+        # truncated, renormalised), what a trainer recomputes at the rollout's temperature and truncation.
+        # Greedy requests are scored at temperature 1, untruncated, in both modes.
+        logprobs_mode=VLLM_LOGPROBS_MODES[logprobs_mode],
     )
     if options.prefill_chunk is not None:
         kwargs.update(enable_chunked_prefill=True, max_num_batched_tokens=options.prefill_chunk,
@@ -74,11 +81,12 @@ def describe_engine(kwargs: dict) -> str:
 
 
 def sampling_params(request) -> dict:
-    """`SamplingParams(...)` of one request: greedy at temperature 0, else seeded sampling of the whole
-    tempered distribution."""
+    """`SamplingParams(...)` of one request: greedy at temperature 0, else seeded sampling of the tempered
+    distribution truncated as the request asks (top_k 0: off in vLLM too)."""
     params = dict(max_tokens=request.max_new_tokens, logprobs=0, ignore_eos=True, top_k=0, top_p=1.0)
     if request.temperature > 0:
-        params.update(temperature=request.temperature, seed=request.seed)
+        params.update(temperature=request.temperature, seed=request.seed, top_k=request.top_k, top_p=request.top_p,
+                      min_p=request.min_p)
     else:
         params.update(temperature=0.0)
     return params
@@ -117,20 +125,21 @@ class VLLMStack(RemoteRollout):
         self.children: dict[str, ChildProcess] = {}
         self.child: ChildProcess | None = None  # the one used last
 
-    def kwargs(self, options: EngineOptions) -> dict:
+    def kwargs(self, options: EngineOptions, logprobs_mode: str = DEFAULT_LOGPROBS_MODE) -> dict:
         checkpoint = str(self.spec.checkpoint_dir(self.dtype))
-        kwargs = engine_kwargs(checkpoint, self.dtype, self.max_model_len, options, self.spec.seed)
+        kwargs = engine_kwargs(checkpoint, self.dtype, self.max_model_len, options, self.spec.seed,
+                               logprobs_mode=logprobs_mode)
         fixed = self.overrides.get("block_size")
         if fixed is not None and options.page_size != fixed:
             raise Unsupported(f"stack {self.name} runs with a KV block of {fixed}, not {options.page_size}")
         return {**kwargs, **self.overrides}
 
-    def engine(self, options: EngineOptions) -> ChildProcess:
-        """The child running an engine with these options: the current one, or a new one."""
+    def engine(self, options: EngineOptions, logprobs_mode: str = DEFAULT_LOGPROBS_MODE) -> ChildProcess:
+        """The child running an engine with these options and log-prob mode: the current one, or a new one."""
         declined = _DECLINED.get(self._platform_key)
         if declined:
             raise declined
-        kwargs = self.kwargs(options)
+        kwargs = self.kwargs(options, logprobs_mode)
         key = json.dumps(kwargs, sort_keys=True)
         if key not in self.children:  # one engine per set of options; logdiff.remote caps how many run at once
             self.children[key] = ChildProcess([self.python, str(CHILD)], f"vLLM engine ({self.name}, {describe_engine(kwargs)})",
@@ -138,9 +147,9 @@ class VLLMStack(RemoteRollout):
         self.child = self.children[key]
         return self.child
 
-    def call(self, options: EngineOptions, message: dict | None = None) -> dict:
-        """One exchange with the engine for these options (`message` None: only start it)."""
-        child = self.engine(options)
+    def call(self, options: EngineOptions, message: dict | None = None, logprobs_mode: str = DEFAULT_LOGPROBS_MODE) -> dict:
+        """One exchange with the engine for these options and log-prob mode (`message` None: only start it)."""
+        child = self.engine(options, logprobs_mode)
         try:
             if message is None:
                 return child.init_reply if child.alive else child.start()
@@ -176,13 +185,20 @@ class VLLMStack(RemoteRollout):
             child.close()
 
     def remote_rollout(self, requests, options):
+        modes = {r.logprobs_mode for r in requests}
+        if len(modes) > 1:
+            raise Unsupported("vLLM's logprobs_mode is one per engine (an LLM argument); this rollout's requests ask "
+                              f"for {' and '.join(sorted(modes))} log-probs")
         payload = [{"prompt": list(r.prompt), "arrival": r.arrival, "params": sampling_params(r)} for r in requests]
-        reply = self.call(options, {"op": "generate", "requests": payload})
+        reply = self.call(options, {"op": "generate", "requests": payload}, modes.pop())
         return list(zip(reply["tokens"], reply["logprobs"]))
 
-    def prompt_logprobs(self, sequences, score_from, temperatures, options=EngineOptions()):
-        if any(t not in (0.0, 1.0) for t in temperatures):
-            raise Unsupported("vLLM's prompt_logprobs are raw log-probs (temperature 1) in every logprobs_mode")
+    def prompt_logprobs(self, sequences, score_from, temperatures, options=EngineOptions(), processing=None):
+        processing = processing or [Processing()] * len(sequences)
+        if any(p.logprobs_mode == "processed" and t > 0 and (t != 1.0 or p.truncates)
+               for t, p in zip(temperatures, processing)):
+            raise Unsupported("vLLM's prompt_logprobs are raw log-probs (temperature 1, untruncated) in every "
+                              "logprobs_mode")
         reply = self.call(options, {"op": "score", "prompts": [list(s) for s in sequences]})
         return [torch.tensor(row[first:], dtype=torch.float32) for row, first in zip(reply["prompt_logprobs"], score_from)]
 

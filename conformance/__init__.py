@@ -21,6 +21,7 @@ CATALOGUE = {
     "C10": "sampling: temperature applied identically, seeded sampling batch-invariant",
     "C11": "trainer is differentiable and its backward is deterministic",
     "C12": "dtype coverage: fp32, bf16, fp16",
+    "C15": "log-prob semantics: top-k/top-p/min-p truncation, processed and raw modes, rollout = trainer per mode",
 }
 
 _TEST_NAME = re.compile(r"test_c(\d+)_")

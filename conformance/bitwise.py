@@ -72,12 +72,13 @@ class Bitwise:
         if problems:
             raise PropertyViolation("\n".join(problems))
 
-    def sampling(self, fit, temperature: float) -> None:
-        """C0: seeded draws follow the oracle's tempered distribution (a logdiff.oracle.SamplingFit)."""
+    def sampling(self, fit, temperature: float, truncation: str | None = None) -> None:
+        """C0, C15: seeded draws follow the oracle's tempered (and truncated) distribution (a logdiff.oracle.SamplingFit)."""
         __tracebackhide__ = True
-        self.user_properties.append(("sampling", {"temperature": temperature, **dataclasses.asdict(fit)}))
+        self.user_properties.append(("sampling", {"temperature": temperature, "truncation": truncation,
+                                                  **dataclasses.asdict(fit)}))
         if not fit.holds:
-            raise PropertyViolation(f"at temperature {temperature}: {fit.problem()}")
+            raise PropertyViolation(f"at temperature {temperature}{f', {truncation}' if truncation else ''}: {fit.problem()}")
 
     def _record(self, names, a: torch.Tensor, b: torch.Tensor, unit: str = "log-probs") -> str:
         equal = int((bits(a) == bits(b)).sum())

@@ -29,6 +29,7 @@ def assert_rollout_matches_trainer(stack: Stack, trainer_stack: Stack, workload:
     """The headline: every sampled token's rollout log-prob equals the trainer's recomputation, bit for bit.
     The trainer runs on its own instance of the stack, so it cannot answer from the rollout's memory."""
     __tracebackhide__ = True
-    outputs, sequences, score_from, temperatures = rollout_and_sequences(stack, workload)
-    trainer = trainer_stack.trainer_logprobs(sequences, score_from, temperatures)
+    requests = workload.requests()
+    outputs = rollout(stack, requests, engine_options(workload))
+    trainer = TrainerInputs.after(requests, outputs).score(trainer_stack)
     bitwise.logprobs([o.logprobs for o in outputs], trainer, ("rollout", "trainer"))

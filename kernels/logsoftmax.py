@@ -37,10 +37,10 @@ def scoring_temperature(temperature: torch.Tensor) -> torch.Tensor:
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """log p(targets[i] | row i) for logits [N, V] at per-row temperatures [N]; fp32 [N]. One process:
     the sum of exp over the whole row in VOCAB_CHUNK chunks (the chunk boundaries follow V, not a degree)."""
-    return _TokenLogprobs.apply(logits, targets, temperature, SINGLE_PROCESS, _chunked_sum)
+    return _TokenLogprobs.apply(logits, targets, temperature, SINGLE_PROCESS, chunked_sum)
 
 
-def _chunked_sum(x: torch.Tensor) -> torch.Tensor:
+def chunked_sum(x: torch.Tensor) -> torch.Tensor:
     padded = F.pad(x, (0, -x.shape[1] % VOCAB_CHUNK))
     return padded.view(x.shape[0], -1, VOCAB_CHUNK).sum(-1).sum(-1)
 
@@ -58,7 +58,7 @@ def fixed_order_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temp
                          f"over {comm.size} ranks")
 
     def sum_exp(exp):
-        return sum_in_order(comm.all_gather(torch.stack([_chunked_sum(part) for part in exp.tensor_split(local, -1)])))
+        return sum_in_order(comm.all_gather(torch.stack([chunked_sum(part) for part in exp.tensor_split(local, -1)])))
 
     return _TokenLogprobs.apply(logits, targets, temperature, comm, sum_exp)
 

@@ -9,6 +9,7 @@ group `logdiff.stacks` (see `logdiff.stacks`). The factory's docstring is its li
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -26,6 +27,45 @@ class Unsupported(Exception):
     with this reason, never a pass."""
 
 
+# What a recorded log-prob means (docs/logprob-semantics.md). "processed" (the default): the log-prob under
+# the distribution the token was sampled from (temperature, then top-k, top-p, min-p, renormalised), the
+# behaviour policy's probability in an RL importance ratio; a token outside the kept set is impossible
+# (-inf). "raw": log_softmax of the model's logits at temperature 1, whatever the sampler did.
+LOGPROB_MODES = ("processed", "raw")
+DEFAULT_LOGPROBS_MODE = "processed"
+
+
+@dataclass(frozen=True)
+class Processing:
+    """What the sampler does to a sequence's tempered logits, and which distribution its log-probs are taken
+    from. Truncation applies to sampled tokens only (temperature > 0): a greedy token is the argmax, kept by
+    every truncation, and scores untruncated at temperature 1, as vLLM and transformers do.
+
+    top_k: keep the k likeliest tokens (0: off); top_p: keep the likeliest tokens until their mass reaches
+    top_p (1: off); min_p: keep tokens at least min_p times as likely as the likeliest (0: off). Applied in
+    that order, top-p on the top-k set renormalised; a token tied with the last one kept is kept too.
+    """
+
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    logprobs_mode: str = DEFAULT_LOGPROBS_MODE
+
+    @property
+    def truncates(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    def truncation(self) -> str:
+        """'top-k 50, top-p 0.9' (the truncations that are on), or 'no truncation'."""
+        parts = [f"top-k {self.top_k}"] * (self.top_k > 0) + [f"top-p {self.top_p:g}"] * (self.top_p < 1.0) + (
+            [f"min-p {self.min_p:g}"] * (self.min_p > 0.0))
+        return ", ".join(parts) or "no truncation"
+
+    def describe(self) -> str:
+        """'top-k 50, top-p 0.9, processed log-probs'."""
+        return f"{self.truncation()}, {self.logprobs_mode} log-probs"
+
+
 @dataclass(frozen=True)
 class Request:
     prompt: tuple[int, ...]
@@ -33,6 +73,14 @@ class Request:
     temperature: float = 0.0  # 0 = greedy
     seed: int = 0  # per-request sampling seed
     arrival: int = 0  # engine step at which the request joins the batch
+    top_k: int = 0  # truncation of the sampled distribution, and the log-prob mode: see Processing
+    top_p: float = 1.0
+    min_p: float = 0.0
+    logprobs_mode: str = DEFAULT_LOGPROBS_MODE
+
+    @property
+    def processing(self) -> Processing:
+        return Processing(self.top_k, self.top_p, self.min_p, self.logprobs_mode)
 
 
 @dataclass
@@ -51,11 +99,12 @@ class EngineOptions:
 @dataclass(frozen=True)
 class TrainerInputs:
     """What the trainer scores after a rollout: prompt + response, scored from the first response token,
-    at the temperature the rollout sampled with."""
+    at the temperature, truncation and log-prob mode the rollout sampled and recorded with."""
 
     sequences: list[list[int]]
     score_from: list[int]
     temperatures: list[float]
+    processing: list[Processing] | None = None  # None: Processing() for every sequence
 
     @classmethod
     def after(cls, requests: Sequence[Request], outputs: Sequence[RolloutOutput]) -> TrainerInputs:
@@ -63,7 +112,25 @@ class TrainerInputs:
             [list(r.prompt) + o.tokens for r, o in zip(requests, outputs)],
             [len(r.prompt) for r in requests],
             [r.temperature for r in requests],
+            [r.processing for r in requests],
         )
+
+    def score(self, stack: Stack, grad: bool = False) -> list[torch.Tensor]:
+        """`stack.trainer_logprobs` of these inputs; see `processing_kwargs`."""
+        return stack.trainer_logprobs(self.sequences, self.score_from, self.temperatures, grad=grad,
+                                      **processing_kwargs(stack, stack.trainer_logprobs, self.processing))
+
+
+def processing_kwargs(stack: Stack, method: Callable, processing: Sequence[Processing] | None) -> dict:
+    """`processing=` for a scoring method (`trainer_logprobs`, `prompt_logprobs`), passed only where some
+    sequence is not scored as `Processing()`: a stack written before truncation and log-prob modes existed
+    scores plain workloads as it always did, and declines the others."""
+    if processing is None or all(p == Processing() for p in processing):
+        return {}
+    if "processing" not in inspect.signature(method).parameters:
+        raise Unsupported(f"stack {stack.name}'s {method.__name__} takes no processing= (top-k, top-p, min-p, "
+                          "log-prob mode): it cannot score what this rollout sampled")
+    return {"processing": list(processing)}
 
 
 class Stack(ABC):
@@ -101,7 +168,11 @@ class Stack(ABC):
         self, sequences: Sequence[Sequence[int]], score_from: Sequence[int], temperatures: Sequence[float],
         grad: bool = False,
     ) -> list[torch.Tensor]:
-        """Teacher-forced log p(token i | tokens < i) for i >= score_from[s] (temperature 0 scores at 1)."""
+        """Teacher-forced log p(token i | tokens < i) for i >= score_from[s] (temperature 0 scores at 1).
+
+        A stack that honours truncation and log-prob modes takes `processing: list[Processing] | None`
+        (one per sequence; None: Processing() each) and scores each token in its sequence's mode, with
+        the truncation the rollout sampled under; the suite passes it only when some sequence needs it."""
 
     def prompt_logprobs(
         self, sequences: Sequence[Sequence[int]], score_from: Sequence[int], temperatures: Sequence[float],

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
+from logdiff.api import Processing
 from logdiff.comm import SINGLE_PROCESS, Comm
 
 
@@ -76,6 +77,31 @@ class KernelSet:
         distribution, so the slices are gathered first (a copy: the same logits bit for bit on every rank and
         degree; S rows, once per engine step); the log-prob of the drawn token stays vocab-parallel."""
         return self.sample(self.tp.all_gather(logits, dim=-1), temperature, seeds, token_index)
+
+    def truncated(self, logits: torch.Tensor, temperature: torch.Tensor, processing: Sequence[Processing]) -> torch.Tensor:
+        """The logits [N, V/tp] with every token outside its row's kept set at -inf (`kept_tokens`, decided
+        on the whole row: the slices gathered, so every degree keeps the same set); `logits` itself where
+        no row truncates. Row i follows processing[i]."""
+        if not any(p.truncates for p in processing):
+            return logits
+        from logdiff.kernels.sampling import kept_tokens
+
+        keep = kept_tokens(self.tp.all_gather(logits, dim=-1), temperature,
+                           torch.tensor([p.top_k for p in processing]),
+                           torch.tensor([p.top_p for p in processing], dtype=torch.float32),
+                           torch.tensor([p.min_p for p in processing], dtype=torch.float32))
+        width = logits.shape[-1]
+        return logits.masked_fill(~keep[:, self.tp.rank * width : (self.tp.rank + 1) * width], float("-inf"))
+
+    def mode_logprobs(self, logits: torch.Tensor, truncated: torch.Tensor, targets: torch.Tensor,
+                      temperature: torch.Tensor, processing: Sequence[Processing]) -> torch.Tensor:
+        """Each row's token log-prob in its mode: "processed" from the `truncated` logits at its temperature
+        (a token outside the kept set scores -inf), "raw" from the `logits` at temperature 1."""
+        raw = torch.tensor([p.logprobs_mode == "raw" for p in processing], dtype=torch.bool)
+        if raw.any():
+            truncated = torch.where(raw[:, None], logits, truncated)
+            temperature = torch.where(raw, 1.0, temperature)
+        return self.vocab_parallel_logprobs(truncated, targets, temperature)
 
     def collectives(self) -> dict[str, str]:
         """Capture point (logdiff.bisect.capture) -> the collective its op ends in on these ranks; none on

@@ -10,13 +10,14 @@ the order of its reductions. Property C0 bounds that gap per dtype (`FIDELITY_BO
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from logdiff.api import Unsupported
+from logdiff.api import Processing, Unsupported
 from logdiff.batch import SeqBatch
 from logdiff.errors import UserError
 from logdiff.kernelset import KernelSet
@@ -141,6 +142,9 @@ class OracleScores:
     # that predicts each scored token, in units of that token's router-logit standard deviation (rounding
     # moves a logit in proportion to that scale); inf for a dense model. How far its expert choice is from a tie.
     routing_margin: list[torch.Tensor]
+    # bool, one per sequence: the token lies outside the oracle's kept set by more than the boundary margin
+    # (see Oracle.score); all False where the sequence is not truncated
+    dropped: list[torch.Tensor]
 
 
 class Oracle:
@@ -176,24 +180,84 @@ class Oracle:
         return self.model.logits(hidden[predicting], ORACLE_KERNELS), margin[predicting]
 
     def distributions(self, sequences: Sequence[Sequence[int]], score_from: Sequence[int],
-                      temperatures: Sequence[float]) -> list[torch.Tensor]:
+                      temperatures: Sequence[float], processing: Sequence[Processing] | None = None) -> list[torch.Tensor]:
         """fp64 log p_T(. | tokens < i) over the whole vocabulary, [len - score_from, V] per sequence
-        (temperature 0 scores at 1, as a greedy token's log-prob does)."""
-        return [F.log_softmax(self._forward(seq, first)[0] / (temp if temp > 0 else 1.0), dim=-1)
-                for seq, first, temp in zip(sequences, score_from, temperatures)]
+        (temperature 0 scores at 1, as a greedy token's log-prob does), in each sequence's log-prob mode:
+        processed with the same truncation rules as a stack (`kept_tokens`) applied to the oracle's own fp64
+        logits (tokens outside the kept set at -inf), raw at temperature 1 untruncated."""
+        processing = processing or [Processing()] * len(sequences)
+        out = []
+        for seq, first, temp, proc in zip(sequences, score_from, temperatures, processing):
+            logits = self._forward(seq, first)[0]
+            out.append(_in_mode(logits, temp, proc, _kept(logits, temp, proc)))
+        return out
 
     def score(self, sequences: Sequence[Sequence[int]], score_from: Sequence[int],
-              temperatures: Sequence[float]) -> OracleScores:
-        logprobs, margins, argmaxes, routing = [], [], [], []
-        for seq, first, temp in zip(sequences, score_from, temperatures):
+              temperatures: Sequence[float], processing: Sequence[Processing] | None = None) -> OracleScores:
+        """Each scored token's fp64 log-prob in its sequence's mode (see `readings`)."""
+        return self.readings(sequences, score_from, temperatures, {"": processing})[""]
+
+    @torch.no_grad()
+    def readings(self, sequences: Sequence[Sequence[int]], score_from: Sequence[int], temperatures: Sequence[float],
+                 readings: dict[str, Sequence[Processing] | None]) -> dict[str, OracleScores]:
+        """The same sequences scored under several processings (name -> one Processing per sequence, None:
+        Processing() each), from one fp64 forward per sequence.
+
+        A token the oracle's truncation drops by less than the dtype's max bound (its tempered log-prob that
+        close to the least likely kept token's) sits on the boundary, where a stack's rounding may keep it:
+        it is scored as kept (the kept set plus that token) and not counted as dropped, as greedy tokens are
+        judged only where the top-2 margin is clear."""
+        boundary = fidelity_bounds(self.dtype)[2]
+        scores = {name: OracleScores([], [], [], [], []) for name in readings}
+        for s, (seq, first, temp) in enumerate(zip(sequences, score_from, temperatures)):
             logits, routing_margin = self._forward(seq, first)
-            logp = F.log_softmax(logits / (temp if temp > 0 else 1.0), dim=-1)
-            logprobs.append(logp.gather(1, torch.as_tensor(seq[first:], dtype=torch.long)[:, None]).squeeze(1))
-            top2 = logp.topk(2, dim=-1).values
-            margins.append(top2[:, 0] - top2[:, 1])
-            argmaxes.append(logp.argmax(-1))
-            routing.append(routing_margin)
-        return OracleScores(logprobs, margins, argmaxes, routing)
+            targets = torch.as_tensor(seq[first:], dtype=torch.long)[:, None]
+            tempered = F.log_softmax(logits / (temp if temp > 0 else 1.0), dim=-1)
+            for name, processing in readings.items():
+                proc = processing[s] if processing is not None else Processing()
+                keep = _kept(logits, temp, proc)
+                logp = _in_mode(logits, temp, proc, keep)
+                chosen = logp.gather(1, targets).squeeze(1)
+                dropped = torch.zeros_like(chosen, dtype=torch.bool)
+                if keep is not None:
+                    least_kept = tempered.masked_fill(~keep, float("inf")).amin(-1)
+                    outside = ~keep.gather(1, targets).squeeze(1)
+                    near = outside & (least_kept - tempered.gather(1, targets).squeeze(1) <= boundary)
+                    dropped = outside & ~near
+                    if proc.logprobs_mode == "processed":
+                        rows = near.nonzero().flatten()
+                        chosen[rows] = _in_mode(logits[rows], temp, proc, keep[rows].scatter(1, targets[rows], True)).gather(
+                            1, targets[rows]).squeeze(1)
+                top2 = logp.topk(2, dim=-1).values
+                out = scores[name]
+                out.logprobs.append(chosen)
+                out.top2_margin.append(top2[:, 0] - top2[:, 1])
+                out.argmax.append(logp.argmax(-1))
+                out.routing_margin.append(routing_margin)
+                out.dropped.append(dropped)
+        return scores
+
+
+def _kept(logits: torch.Tensor, temperature: float, processing: Processing) -> torch.Tensor | None:
+    """The kept set [N, V] of a sampled, truncated row (`kept_tokens` on fp64 logits); None where nothing is cut."""
+    from logdiff.kernels.sampling import kept_tokens
+
+    if not (processing.truncates and temperature > 0):
+        return None
+    rows = len(logits)
+    return kept_tokens(logits, torch.full((rows,), float(temperature), dtype=torch.float64),
+                       torch.full((rows,), processing.top_k), torch.full((rows,), processing.top_p, dtype=torch.float64),
+                       torch.full((rows,), processing.min_p, dtype=torch.float64))
+
+
+def _in_mode(logits: torch.Tensor, temperature: float, processing: Processing, keep: torch.Tensor | None) -> torch.Tensor:
+    """fp64 log-probs [N, V] in the processing's mode: raw at temperature 1 whole; processed at the temperature
+    (0 scores at 1) over `keep` (None: every token)."""
+    if processing.logprobs_mode == "raw":
+        return F.log_softmax(logits, dim=-1)
+    if keep is not None:
+        logits = logits.masked_fill(~keep, float("-inf"))
+    return F.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
 
 
 @dataclass(frozen=True)
@@ -300,6 +364,42 @@ def fidelity(side: str, logprobs: Sequence[torch.Tensor], oracle: OracleScores, 
                     bounds, mismatch, rounded_to_model_dtype(logprobs, dtype))
 
 
+def readings_of(processing: Processing) -> dict[str, Processing]:
+    """What recorded log-probs can mean, the asked-for reading first: its name -> its Processing."""
+    raw = dataclasses.replace(processing, logprobs_mode="raw")
+    processed = dataclasses.replace(processing, logprobs_mode="processed")
+    return {
+        f"{processing.logprobs_mode} ({processing.truncation()})": processing,
+        **{name: p for name, p in (
+            ("raw (log_softmax of the logits at temperature 1, untruncated)", raw),
+            ("processed (the tempered distribution and its truncation)", processed),
+            ("the tempered distribution without its truncation", Processing()),
+        ) if p != processing},
+    }
+
+
+def mode_mismatch(side: str, logprobs: Sequence[torch.Tensor], scores: dict[str, OracleScores],
+                  dtype: torch.dtype) -> str | None:
+    """C15: one line if the median of `side`'s |logp - logp_fp64| against the oracle's first reading (the
+    asked-for one, see `readings_of`) exceeds the dtype's median bound, naming the reading they fit when one
+    does; else None. The median, as in C0: a mode changes the bulk of the tokens, rounding does not."""
+    bound = fidelity_bounds(dtype)[0]
+    values = torch.cat([x.detach().double() for x in logprobs])
+    error = {name: float((values - torch.cat(s.logprobs)).abs().nan_to_num(torch.inf).quantile(0.5))
+             for name, s in scores.items()}
+    asked, *others = scores
+    if error[asked] <= bound:
+        return None
+    if not others:
+        return (f"C15 ({side}): median |logp - fp64| {error[asked]:.3g} against the requests' {asked}, bound {bound:g}")
+    fits = min(others, key=error.get)
+    if error[fits] <= bound:
+        return (f"C15 ({side}): log-probs read as {fits} (median |logp - fp64| {error[fits]:.3g}), not as the requests' "
+                f"{asked} (median |logp - fp64| {error[asked]:.3g}, bound {bound:g}): log-prob mode mismatch")
+    return (f"C15 ({side}): log-probs fit no reading: median |logp - fp64| {error[asked]:.3g} against the requests' "
+            f"{asked}, {error[fits]:.3g} against {fits} (bound {bound:g})")
+
+
 SAMPLING_ALPHA = 1e-3  # significance of each sampling test; the draws are seeded, so a verdict reproduces
 PIT_BINS = 10
 
@@ -345,9 +445,9 @@ def sampling_fit(tokens: Sequence[Sequence[int]], logp_rows: Sequence[torch.Tens
     logp = torch.cat(list(logp_rows))
     drawn = torch.as_tensor([t for toks in tokens for t in toks], dtype=torch.long)
     p = logp.exp()
-    entropy_terms = p * logp
-    mean = entropy_terms.sum(-1)  # E[log p(x)] = -H
-    var = (p * logp.square()).sum(-1) - mean.square()
+    finite = torch.where(p > 0, logp, 0.0)  # a truncated distribution's impossible tokens add nothing (0 * -inf)
+    mean = (p * finite).sum(-1)  # E[log p(x)] = -H
+    var = (p * finite.square()).sum(-1) - mean.square()
     chosen = logp.gather(1, drawn[:, None]).squeeze(1)
     z = float((chosen - mean).sum() / var.sum().sqrt())
     # Randomised PIT over tokens sorted by probability: u = F(before x) + V * p(x) is uniform under the model.

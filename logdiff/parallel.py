@@ -161,9 +161,10 @@ def _worker(rank: int, world: int, port: int, backend: str, inbox, outbox) -> No
                 engine = RolloutEngine(engine_model, ops, o.page_size, o.prefill_chunk, o.shuffle_pages)
                 result = engine.generate(requests, capture)
             elif kind == "trainer":
-                result = trainer.logprobs(*args, capture=capture)
+                *scored, processing = args
+                result = trainer.logprobs(*scored, capture=capture, processing=processing)
             else:
-                result = RolloutEngine(engine_model, ops, *args[3]).prompt_logprobs(*args[:3])
+                result = RolloutEngine(engine_model, ops, *args[3]).prompt_logprobs(*args[:3], processing=args[4])
             if capture is not None:
                 result = (result, _captures_at_rank_0(capture, rank, world, ops))
         except Exception:  # noqa: BLE001 (handed to the parent, which raises it)
@@ -289,19 +290,20 @@ class ShardedStack(Stack):
             return self.base.rollout(requests, options, capture)
         return self._call("rollout", "rollout", list(requests), options, capture=capture)
 
-    def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, capture: Capture = None):
+    def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, capture: Capture = None, processing=None):
         if self.worlds["trainer"] == 1:
-            return self.base.trainer_logprobs(sequences, score_from, temperatures, grad, capture)
+            return self.base.trainer_logprobs(sequences, score_from, temperatures, grad, capture, processing)
         if grad:
             raise Unsupported("the sharded trainer runs without autograd (collectives are not differentiated)")
         return self._call("trainer", "trainer", [list(s) for s in sequences], list(score_from), list(temperatures),
-                          capture=capture)
+                          processing, capture=capture)
 
-    def prompt_logprobs(self, sequences, score_from, temperatures, options=EngineOptions()):
+    def prompt_logprobs(self, sequences, score_from, temperatures, options=EngineOptions(), processing=None):
         if self.worlds["rollout"] == 1:
-            return self.base.prompt_logprobs(sequences, score_from, temperatures, options)
+            return self.base.prompt_logprobs(sequences, score_from, temperatures, options, processing)
         opts = (options.page_size, options.prefill_chunk, options.shuffle_pages)
-        return self._call("rollout", "prompt", [list(s) for s in sequences], list(score_from), list(temperatures), opts)
+        return self._call("rollout", "prompt", [list(s) for s in sequences], list(score_from), list(temperatures), opts,
+                          processing)
 
     def describe(self) -> dict:
         return {**self.base.describe(), "parallel": dict(self.degrees), "backend": self.backend}

@@ -38,7 +38,7 @@ from typing import Sequence
 
 import torch
 
-from logdiff.api import EngineOptions, Request, RolloutOutput, Stack
+from logdiff.api import EngineOptions, Request, RolloutOutput, Stack, processing_kwargs
 from logdiff.errors import UserError
 from logdiff.report import progress
 
@@ -261,8 +261,9 @@ class RemoteRollout(Stack):
             self._trainer = stacks.build(self.trainer_name, self.spec, self.dtype, self.max_model_len)
         return self._trainer
 
-    def trainer_logprobs(self, sequences, score_from, temperatures, grad=False):
-        return self.trainer.trainer_logprobs(sequences, score_from, temperatures, grad=grad)
+    def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, processing=None):
+        return self.trainer.trainer_logprobs(sequences, score_from, temperatures, grad=grad,
+                                             **processing_kwargs(self.trainer, self.trainer.trainer_logprobs, processing))
 
     def trainer_parameters(self):
         return self.trainer.trainer_parameters()

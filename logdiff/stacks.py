@@ -48,11 +48,11 @@ class KernelStack(Stack):
     def rollout(self, requests, options=EngineOptions(), capture: Capture = None):
         return self.engine(options).generate(list(requests), capture)
 
-    def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, capture: Capture = None):
-        return self.trainer.logprobs(sequences, score_from, temperatures, grad=grad, capture=capture)
+    def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, capture: Capture = None, processing=None):
+        return self.trainer.logprobs(sequences, score_from, temperatures, grad=grad, capture=capture, processing=processing)
 
-    def prompt_logprobs(self, sequences, score_from, temperatures, options=EngineOptions()):
-        return self.engine(options).prompt_logprobs(sequences, score_from, temperatures)
+    def prompt_logprobs(self, sequences, score_from, temperatures, options=EngineOptions(), processing=None):
+        return self.engine(options).prompt_logprobs(sequences, score_from, temperatures, processing)
 
     def trainer_parameters(self):
         return dict(self.model.named_parameters())

@@ -25,10 +25,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from logdiff import stacks
-from logdiff.api import EngineOptions, Request, Stack, TrainerInputs
+from logdiff.api import EngineOptions, Processing, Request, Stack, TrainerInputs, processing_kwargs
 from logdiff.errors import UserError
 from logdiff.metrics import compare
 from logdiff.weights import ModelSpec, parse_dtype
+from logdiff.workload import validate_processing
 
 # The mismatch figures RL frameworks log (verl rollout_corr + debug, slime), kept per step.
 LOGGED_METRICS = (
@@ -56,6 +57,7 @@ class TrainConfig:
     learning_rate: float = 2e-3  # the reward climbs from ~0.125 to ~1 within 200 steps (seed 0)
     clip: float = 0.2  # PPO-clip epsilon
     max_grad_norm: float = 1.0
+    processing: Processing = Processing()  # truncation of the sampled distribution and the log-prob mode
     seed: int = 0  # weights, prompts and sampling
 
     @property
@@ -86,6 +88,7 @@ class TrainConfig:
             raise UserError(f"--lr {self.learning_rate} is not positive; pass e.g. 1e-3")
         if not 0 < self.clip < 1:
             raise UserError(f"--clip {self.clip} is outside (0, 1); pass e.g. 0.2")
+        validate_processing(self.processing)
         limit = self.spec.config().max_position_embeddings
         if max(self.prompt_lens) + self.max_new_tokens > limit:
             raise UserError(f"prompt of {max(self.prompt_lens)} + {self.max_new_tokens} new tokens exceeds the {limit} "
@@ -101,13 +104,15 @@ class TrainConfig:
             length = self.prompt_lens[p % len(self.prompt_lens)]
             prompt = tuple(torch.randint(vocab, (length,), generator=torch.Generator().manual_seed(prompt_seed)).tolist())
             for g in range(self.group_size):
-                out.append(Request(prompt, self.max_new_tokens, temperature=1.0, seed=prompt_seed * 1_000 + g))
+                out.append(Request(prompt, self.max_new_tokens, temperature=1.0, seed=prompt_seed * 1_000 + g,
+                                   top_k=self.processing.top_k, top_p=self.processing.top_p, min_p=self.processing.min_p,
+                                   logprobs_mode=self.processing.logprobs_mode))
         return out
 
     def describe(self) -> str:
         return (f"{self.model} {self.dtype}, {self.steps} steps of {self.prompts} prompts x {self.group_size} samples x "
                 f"{self.max_new_tokens} tokens, prompts {','.join(map(str, self.prompt_lens))}, lr {self.learning_rate:g}, "
-                f"clip {self.clip:g}, seed {self.seed}")
+                f"clip {self.clip:g}, seed {self.seed}, {self.processing.describe()}")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -226,7 +231,8 @@ def grpo_step(stack: Stack, optimizer: MasterWeightAdamW, config: TrainConfig, s
     rollout = stack.rollout(requests, EngineOptions(), **capture)
     inputs = TrainerInputs.after(requests, rollout)
     capture = {"capture": trainer_routes} if count_routing else {}
-    logp_trainer = stack.trainer_logprobs(inputs.sequences, inputs.score_from, inputs.temperatures, grad=True, **capture)
+    logp_trainer = stack.trainer_logprobs(inputs.sequences, inputs.score_from, inputs.temperatures, grad=True, **capture,
+                                          **processing_kwargs(stack, stack.trainer_logprobs, inputs.processing))
     logp_rollout = [o.logprobs.float() for o in rollout]
     comparison = compare(logp_rollout, [t.detach().float() for t in logp_trainer])
 

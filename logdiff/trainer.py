@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from logdiff.api import Capture, locate
+from logdiff.api import Capture, Processing, locate
 from logdiff.batch import SeqBatch, check_score_from
 from logdiff.kernelset import KernelSet
 from logdiff.model import Qwen3ForCausalLM
@@ -28,22 +28,27 @@ class Trainer:
         temperatures: Sequence[float],
         grad: bool = False,
         capture: Capture = None,
+        processing: Sequence[Processing] | None = None,
     ) -> list[torch.Tensor]:
         """Packed batch: for each sequence, log p(token i | tokens < i) for i in [score_from, len).
 
-        Temperature 0 (greedy rollout) scores at temperature 1.
+        Temperature 0 (greedy rollout) scores at temperature 1. `processing` (one per sequence, default
+        Processing()): the truncation the rollout sampled under, recomputed here from the trainer's own
+        logits, and the log-prob mode each token is scored in.
         """
+        processing = processing or [Processing()] * len(sequences)
         check_score_from(sequences, score_from)
         seqs = SeqBatch.from_lengths([len(s) for s in sequences])
         tokens = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
         # Row offsets[s] + i - 1 predicts token i of sequence s.
-        rows, targets, temps, counts = [], [], [], []
-        for s, (seq, first, temp) in enumerate(zip(sequences, score_from, temperatures)):
+        rows, targets, temps, counts, row_processing = [], [], [], [], []
+        for s, (seq, first, temp, proc) in enumerate(zip(sequences, score_from, temperatures, processing)):
             base = int(seqs.offsets[s])
             rows.append(torch.arange(base + first - 1, base + len(seq) - 1))
             targets.append(torch.as_tensor(seq[first:], dtype=torch.long))
             temps.append(torch.full((len(seq) - first,), float(temp)))
             counts.append(len(seq) - first)
+            row_processing += [proc] * (len(seq) - first)
         if capture:
             locate(capture, seqs.seq_of_token, seqs.positions, torch.cat(rows))
         with torch.set_grad_enabled(grad):
@@ -54,7 +59,9 @@ class Trainer:
 
             hidden = self.model.hidden_states(tokens, seqs, ops, attend, capture)
             logits = self.model.logits(hidden[torch.cat(rows)], ops, capture)
-            logp = ops.vocab_parallel_logprobs(logits, torch.cat(targets), torch.cat(temps))
+            temps = torch.cat(temps)
+            truncated = ops.truncated(logits, temps, row_processing)
+            logp = ops.mode_logprobs(logits, truncated, torch.cat(targets), temps, row_processing)
         if capture:
             capture("logprob", logp)
         return list(logp.split(counts))

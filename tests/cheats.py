@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 
-from logdiff.api import EngineOptions, RolloutOutput, TrainerInputs
+from logdiff.api import EngineOptions, Processing, RolloutOutput, TrainerInputs
 from logdiff.baselines.baseline import baseline_kernels
 from logdiff.conformance.workloads import ABLATION_WORKLOADS, BLOCK_EDGES, WORKLOADS
 from logdiff.kernels import Alignments, reference_kernels
@@ -237,3 +237,51 @@ def rope_angles_in_model_dtype(spec, dtype, max_model_len):
     for model in (stack.model, stack.engine_model):
         model.rope = _ModelDtypeRotaryTable(c.head_dim, c.rope_theta, c.max_position_embeddings, dtype)
     return stack
+class RawLogprobsStack(KernelStack):
+    """samples from the processed distribution the requests ask for, but records raw log-probs (log_softmax at
+    temperature 1, untruncated) on both paths while the requests ask for processed ones: consistent, and the
+    importance ratio's behaviour probability is wrong (trl#6789's 0.17 at top_k=50)"""
+
+    def rollout(self, requests, options=EngineOptions(), capture=None):
+        outputs = super().rollout(requests, options, capture)
+        scored = TrainerInputs.after(requests, outputs)
+        logprobs = self.trainer_logprobs(scored.sequences, scored.score_from, scored.temperatures,
+                                         processing=scored.processing)
+        return [RolloutOutput(o.tokens, lp) for o, lp in zip(outputs, logprobs)]
+
+    def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, capture=None, processing=None):
+        raw = [dataclasses.replace(p, logprobs_mode="raw") for p in processing or [Processing()] * len(sequences)]
+        return super().trainer_logprobs(sequences, score_from, temperatures, grad, capture, raw)
+
+
+def raw_logprobs(spec, dtype, max_model_len):
+    return RawLogprobsStack(spec, dtype, max_model_len, reference_kernels(name="raw-logprobs"))
+
+
+def _untruncated(processing):
+    return [Processing(logprobs_mode=p.logprobs_mode) for p in processing] if processing else None
+
+
+class TrainerIgnoresTruncationStack(KernelStack):
+    """the rollout samples and records as asked; the trainer scores without the truncation (it never learnt the
+    rollout's top-k/top-p/min-p): truncation on one side only"""
+
+    def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, capture=None, processing=None):
+        return super().trainer_logprobs(sequences, score_from, temperatures, grad, capture, _untruncated(processing))
+
+
+def trainer_ignores_truncation(spec, dtype, max_model_len):
+    return TrainerIgnoresTruncationStack(spec, dtype, max_model_len, reference_kernels(name="trainer-ignores-truncation"))
+
+
+class SamplerIgnoresTruncationStack(KernelStack):
+    """the rollout engine drops the requests' truncation (samples and records from the whole tempered
+    distribution); the trainer scores as asked: truncation on the other side only"""
+
+    def rollout(self, requests, options=EngineOptions(), capture=None):
+        plain = [dataclasses.replace(r, top_k=0, top_p=1.0, min_p=0.0) for r in requests]
+        return super().rollout(plain, options, capture)
+
+
+def sampler_ignores_truncation(spec, dtype, max_model_len):
+    return SamplerIgnoresTruncationStack(spec, dtype, max_model_len, reference_kernels(name="sampler-ignores-truncation"))

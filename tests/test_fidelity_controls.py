@@ -125,6 +125,10 @@ CHEAT_RUNS = {  # stack, extra `logdiff run` options, what the user sees
                                   "C3 (rollout vs trainer): logprobs differ at seq"),
     "cheats:large_batch_split": (["--prompt-lens", "129,140", "--batch-size", "64", "--max-new-tokens", "2", "--stagger", "0"],
                                  "C3 (rollout vs trainer): logprobs differ at seq"),
+    "cheats:raw_logprobs": (["--temperature", "0.8", "--top-k", "50", "--top-p", "0.9"],
+                            "C15 (rollout): log-probs read as raw (log_softmax of the logits at temperature 1, untruncated)"),
+    "cheats:trainer_ignores_truncation": (["--temperature", "0.8", "--top-p", "0.9"],
+                                          "C15 (trainer): log-probs read as the tempered distribution without its truncation"),
 }
 
 

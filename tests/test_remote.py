@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from logdiff.api import EngineOptions, Request, Unsupported
+from logdiff.api import EngineOptions, Processing, Request, Unsupported
 from logdiff.baselines import vllm as vllm_adapter
 from logdiff.baselines.openai import OpenAIStack
 from logdiff.errors import UserError
@@ -176,6 +176,40 @@ def test_vllm_option_mapping_and_declines():
     sampled = vllm_adapter.sampling_params(Request((1,), 4, temperature=0.7, seed=11))
     assert greedy["temperature"] == 0 and "seed" not in greedy and greedy["logprobs"] == 0
     assert sampled["temperature"] == 0.7 and sampled["seed"] == 11 and sampled["top_k"] == 0 and sampled["top_p"] == 1
+
+
+def test_vllm_maps_truncation_to_sampling_params_and_the_mode_to_logprobs_mode():
+    sampled = vllm_adapter.sampling_params(Request((1,), 4, temperature=0.8, seed=3, top_k=50, top_p=0.9, min_p=0.05))
+    assert (sampled["top_k"], sampled["top_p"], sampled["min_p"]) == (50, 0.9, 0.05)
+    greedy = vllm_adapter.sampling_params(Request((1,), 4, top_k=50, top_p=0.9))  # greedy: nothing to truncate
+    assert (greedy["top_k"], greedy["top_p"], greedy["temperature"]) == (0, 1.0, 0.0)
+    raw = vllm_adapter.engine_kwargs("/ckpt", torch.float32, 512, EngineOptions(), logprobs_mode="raw")
+    assert raw["logprobs_mode"] == "raw_logprobs"
+
+
+def test_vllm_declines_what_one_engine_cannot_honour():
+    stack = vllm_adapter.VLLMStack(ModelSpec("qwen3-moe-tiny"), torch.float32, 256)
+    both = [Request((1,), 2, 0.8, logprobs_mode="processed"), Request((2,), 2, 0.8, logprobs_mode="raw")]
+    with pytest.raises(Unsupported, match="logprobs_mode is one per engine .* ask for processed and raw log-probs"):
+        stack.rollout(both)
+    with pytest.raises(Unsupported, match=r"prompt_logprobs are raw log-probs \(temperature 1, untruncated\)"):
+        stack.prompt_logprobs([[1, 2, 3]], [1], [1.0], processing=[Processing(top_p=0.9)])
+
+
+def test_openai_sends_the_truncation_and_declines_the_mode_its_server_lacks(stub_server, monkeypatch):
+    from logdiff.baselines.openai import request_body
+
+    body = request_body("tiny", Request((1,), 4, temperature=0.8, seed=3, top_k=50, top_p=0.9, min_p=0.05))
+    assert (body["top_k"], body["top_p"], body["min_p"], body["seed"]) == (50, 0.9, 0.05, 3)
+    assert request_body("tiny", Request((1,), 4, temperature=0.8))["top_k"] == -1  # vLLM's "off"
+    stack = OpenAIStack(ModelSpec("qwen3-moe-tiny"), torch.float32, 256)
+    with pytest.raises(Unsupported, match="the server computes processed log-probs .* not raw ones"):
+        stack.rollout([Request((7,), 1, 0.8, logprobs_mode="raw")])
+    monkeypatch.setenv("LOGDIFF_SERVER_LOGPROBS_MODE", "raw")
+    assert OpenAIStack(ModelSpec("qwen3-moe-tiny"), torch.float32, 256).rollout([Request((7,), 1, 0.8, logprobs_mode="raw")])
+    monkeypatch.setenv("LOGDIFF_SERVER_LOGPROBS_MODE", "logits")
+    with pytest.raises(UserError, match="LOGDIFF_SERVER_LOGPROBS_MODE='logits' is not a log-prob mode"):
+        OpenAIStack(ModelSpec("qwen3-moe-tiny"), torch.float32, 256)
 
 
 def test_ascend_switches_read_back():

@@ -18,8 +18,9 @@ class RecomputeStack(Stack):
     def __init__(self, spec, dtype, max_model_len):
         self.trainer = Trainer(spec.build(dtype), reference_kernels())  # the same weights as every stack
 
-    def trainer_logprobs(self, sequences, score_from, temperatures, grad=False):
-        return self.trainer.logprobs(sequences, score_from, temperatures, grad=grad)
+    def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, processing=None):
+        # processing: each sequence's truncation and log-prob mode (logdiff.api.Processing), recomputed here
+        return self.trainer.logprobs(sequences, score_from, temperatures, grad=grad, processing=processing)
 
     @torch.no_grad()
     def rollout(self, requests, options=EngineOptions()):
@@ -35,7 +36,8 @@ class RecomputeStack(Stack):
             attend = lambda _, q, k, v, seqs=seqs: ops.train_attention(q, k, v, seqs)  # noqa: E731
             hidden = model.hidden_states(torch.tensor(tokens), seqs, ops, attend)
             logits = model.logits(hidden[-1:], ops)
-            token = ops.sample(logits, temperature, seed, torch.tensor([i]))
-            logprobs.append(ops.token_logprobs(logits, token, temperature))
+            truncated = ops.truncated(logits, temperature, [request.processing])  # top-k/top-p/min-p: dropped at -inf
+            token = ops.sample(truncated, temperature, seed, torch.tensor([i]))
+            logprobs.append(ops.mode_logprobs(logits, truncated, token, temperature, [request.processing]))
             tokens.append(int(token))
         return RolloutOutput(tokens[len(request.prompt):], torch.cat(logprobs))

@@ -90,7 +90,8 @@ def measure(stack: Stack, case: Case, workload: Workload) -> Measurement:
     if case.kind == "trainer":
         # Whole sequences of prompt + response length; the response part is scored.
         whole = dataclasses.replace(workload, prompt_lens=(case.prompt_len + case.new_tokens,)).requests()
-        return Measurement(_time_trainer_step(stack, [r.prompt for r in whole], case.prompt_len), case.counted_tokens, None)
+        return Measurement(_time_trainer_step(stack, [r.prompt for r in whole], case.prompt_len, whole[0]),
+                           case.counted_tokens, None)
     if case.kind == "prefill":
         seconds, outputs = _time_rollout(stack, _with_new_tokens(requests, 1))
         return Measurement(seconds, case.counted_tokens, outputs)
@@ -104,7 +105,7 @@ def measure(stack: Stack, case: Case, workload: Workload) -> Measurement:
     start = time.perf_counter()
     rollout = stack.rollout(requests)
     scored = TrainerInputs.after(requests, rollout)
-    trainer = stack.trainer_logprobs(scored.sequences, scored.score_from, scored.temperatures)
+    trainer = scored.score(stack)
     return Measurement(time.perf_counter() - start, case.counted_tokens, [o.tokens for o in rollout],
                        (scored, [o.logprobs for o in rollout], trainer))
 
@@ -120,15 +121,17 @@ def _time_rollout(stack: Stack, requests: list[Request]) -> tuple[float, list[li
     return seconds, [o.tokens for o in outputs]
 
 
-def _time_trainer_step(stack: Stack, sequences, score_from: int) -> float:
-    """Forward + backward of the summed log-probs with respect to every trainer parameter."""
+def _time_trainer_step(stack: Stack, sequences, score_from: int, sampled: Request) -> float:
+    """Forward + backward of the summed log-probs with respect to every trainer parameter, scored as `sampled`
+    was sampled (its temperature, at least 1: greedy scores at 1; its truncation and log-prob mode)."""
     params = list(stack.trainer_parameters().values())
     for p in params:
         p.requires_grad_(True)
     try:
         start = time.perf_counter()
-        logprobs = stack.trainer_logprobs([list(s) for s in sequences], [score_from] * len(sequences),
-                                          [1.0] * len(sequences), grad=True)
+        scored = TrainerInputs([list(s) for s in sequences], [score_from] * len(sequences),
+                               [sampled.temperature or 1.0] * len(sequences), [sampled.processing] * len(sequences))
+        logprobs = scored.score(stack, grad=True)
         torch.cat(logprobs).sum().backward()
         return time.perf_counter() - start
     finally:

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from logdiff import report
+from logdiff.api import Processing
 from logdiff.bench.peers import CLAIM_SOURCE, CLAIMED_SPEEDUP, PEER_FIGURES
 from logdiff.bench.stats import (
     READINGS,
@@ -54,7 +55,10 @@ def _tiers(result: dict) -> str:
 def print_summary(result: dict) -> None:
     parallel = result.get("parallel") or {}
     sharded = (", sharded " + " ".join(f"{k} {v}" for k, v in parallel.items())) if parallel else ""
-    print(f"logdiff bench: {result['model']} {result['dtype']}{sharded}, {result['repeats']} interleaved repeats, "
+    sampling = dict(result.get("sampling") or {})
+    temperature = sampling.pop("temperature", 0.0)
+    sampled = f", temperature {temperature:g}, {Processing(**sampling).describe()}" if temperature else ""
+    print(f"logdiff bench: {result['model']} {result['dtype']}{sharded}{sampled}, {result['repeats']} interleaved repeats, "
           f"{result['threads']} threads, logdiff GEMM {_tiers(result)}, load average {result['loadavg']['before'][0]:.2f} -> "
           f"{result['loadavg']['after'][0]:.2f}, {result['wall_seconds']:.0f} s")
     rows = []

@@ -8,6 +8,7 @@ rounding flips near-ties, after which its sequence differs but costs the same).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -31,10 +32,12 @@ ALL_CASES = MODEL_CASES + tuple(KERNEL_CASES)
 
 
 def run_bench(names: list[str], cases: list[str], model: str, dtype: str, repeats: int, layout: dict | None = None,
-              profile_dir: Path | None = None) -> dict:
+              profile_dir: Path | None = None, sampling: dict | None = None) -> dict:
     """Times every case on every stack; returns the raw measurements, the token checks and the load.
     `layout`: the stacks sharded over torch.distributed ranks (trainer_tp, rollout_tp, ep), or one process.
-    `profile_dir`: also profile each model case on each stack once, after its timed repeats (bench.profile)."""
+    `profile_dir`: also profile each model case on each stack once, after its timed repeats (bench.profile).
+    `sampling`: Workload fields of every model case's requests (temperature, top_k, top_p, min_p,
+    logprobs_mode); none: greedy."""
     from tqdm import tqdm
 
     started = time.perf_counter()
@@ -46,7 +49,8 @@ def run_bench(names: list[str], cases: list[str], model: str, dtype: str, repeat
     with tqdm(total=runs, desc="logdiff bench", unit="run", file=sys.stderr, dynamic_ncols=True) as bar:
         for case in cases:
             if case in CASES:
-                results[case] = _bench_model_case(CASES[case], names, model, dtype, repeats, bar, layout or {}, profile_dir)
+                results[case] = _bench_model_case(CASES[case], names, model, dtype, repeats, bar, layout or {}, profile_dir,
+                                                  sampling or {})
                 results[case]["bound"] = bound = case_bound(CASES[case], costs, machine)
                 if bound:
                     results[case]["limit_fraction"] = {name: [v / bound["bound_tokens_per_s"] for v in tps]
@@ -54,15 +58,17 @@ def run_bench(names: list[str], cases: list[str], model: str, dtype: str, repeat
             else:
                 results[case] = _bench_kernel_case(case, dtype, repeats, bar)
     return {
-        "model": model, "dtype": dtype, "stacks": names, "parallel": layout or {}, "cases": results, "repeats": repeats,
+        "model": model, "dtype": dtype, "stacks": names, "parallel": layout or {}, "sampling": sampling or {},
+        "cases": results, "repeats": repeats,
         "machine": machine,
         "loadavg": {"before": list(load_before), "after": list(os.getloadavg())},
         "threads": torch.get_num_threads(), "gemm_tiers": gemm.tiers(), "wall_seconds": time.perf_counter() - started,
     }
 
 
-def _bench_model_case(case, names, model, dtype, repeats, bar, layout: dict, profile_dir: Path | None) -> dict:
-    workload = case.workload(model, dtype)
+def _bench_model_case(case, names, model, dtype, repeats, bar, layout: dict, profile_dir: Path | None,
+                      sampling: dict) -> dict:
+    workload = dataclasses.replace(case.workload(model, dtype), **sampling)
     workload.validate()
     built, skipped = {}, {}
     for name in names:

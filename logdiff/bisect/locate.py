@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from logdiff.api import Stack, TrainerInputs
+from logdiff.api import Stack, TrainerInputs, processing_kwargs
 from logdiff.bisect.capture import (
     CONTEXT,
     LAYER_POINTS,
@@ -227,7 +227,9 @@ def _run(side: Side, workload: Workload, scored: TrainerInputs, capture: Recorde
     if side.path == ROLLOUT:
         outputs = side.stack.rollout(workload.requests(), engine_options(workload), capture=capture)
         return [o.tokens for o in outputs], [o.logprobs for o in outputs]
-    return None, side.stack.trainer_logprobs(scored.sequences, scored.score_from, scored.temperatures, capture=capture)
+    scorer = side.stack.trainer_logprobs
+    return None, scorer(scored.sequences, scored.score_from, scored.temperatures, capture=capture,
+                        **processing_kwargs(side.stack, scorer, scored.processing))
 
 
 def _replay(side: Side, workload, scored, before, request: int, position: int, config, progress) -> Captured:

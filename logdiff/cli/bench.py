@@ -7,6 +7,7 @@ from logdiff.bench.run import ALL_CASES, MODEL_CASES, run_bench
 from logdiff.cli.options import (
     add_engine_args,
     add_parallel_args,
+    add_processing_args,
     add_threads_arg,
     apply_engine_args,
     exit_status,
@@ -14,6 +15,7 @@ from logdiff.cli.options import (
 )
 from logdiff.errors import UserError
 from logdiff.stacks import BENCH_STACKS
+from logdiff.workload import Workload
 
 
 def add(sub) -> None:
@@ -31,6 +33,9 @@ def add(sub) -> None:
     p.add_argument("--profile", action="store_true",
                    help="also profile each case on each stack once, untimed (torch.profiler): profile-<case>-<stack>.txt")
     p.add_argument("--out", metavar="DIR", help="folder for JSON, badge and plot (default ./logdiff-out/bench)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of the rollout cases (default 0: greedy; the trainer case scores at it, or 1)")
+    add_processing_args(p)
     add_parallel_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_bench)
@@ -62,9 +67,13 @@ def cmd_bench(args) -> int:
     cases = selected_cases(args.cases)
     ModelSpec(args.model).config()
     layout = parallel_layout(args)
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                    logprobs_mode=args.logprobs_mode)
+    Workload(**sampling).validate()
     out = report.output_dir(args.out or report.default_out("bench"), "--out")
 
-    result = run_bench(names, cases, args.model, args.dtype, args.repeats, layout, profile_dir=out if args.profile else None)
+    result = run_bench(names, cases, args.model, args.dtype, args.repeats, layout, profile_dir=out if args.profile else None,
+                       sampling=sampling)
     print_summary(result)
     for path in write_outputs(result, out):
         print(f"wrote {path}")

@@ -26,7 +26,7 @@ from logdiff.weights import ModelSpec
 
 def add(sub) -> None:
     p = sub.add_parser(
-        "check", help="run the conformance catalogue (C0-C12) on one stack; exit 1 if a property fails, 2 if none could run",
+        "check", help="run the conformance catalogue (C0-C12, C15) on one stack; exit 1 if a property fails, 2 if none could run",
     )
     p.add_argument("--stack", required=True, metavar="NAME", help="the stack: built-in name, module:attr or entry point")
     p.add_argument("--model", metavar="NAME|DIR",

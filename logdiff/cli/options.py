@@ -6,6 +6,7 @@ import argparse
 import os
 
 from logdiff import stacks
+from logdiff.api import LOGPROB_MODES, Processing
 from logdiff.errors import UserError
 from logdiff.stacks import RUN_STACKS
 from logdiff.workload import DEFAULT_PROMPT_LENS, Workload
@@ -97,6 +98,7 @@ def add_workload_args(p: argparse.ArgumentParser, stacks_default=RUN_STACKS) -> 
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
                    help=f"tokens per response (default {d.max_new_tokens})")
     p.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature, 0 = greedy (default 0)")
+    add_processing_args(p)
     p.add_argument("--seed", type=int, default=d.seed, help="seed of weights, prompts and sampling (default 0)")
     p.add_argument("--block-size", type=int, default=d.block_size, help=f"KV cache page size (default {d.block_size})")
     p.add_argument("--stagger", type=int, default=d.stagger,
@@ -104,6 +106,27 @@ def add_workload_args(p: argparse.ArgumentParser, stacks_default=RUN_STACKS) -> 
     p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill forward (default: whole prompt)")
     add_engine_args(p)
     p.set_defaults(stacks_default=stacks_default)
+
+
+LOGPROBS_MODE_HELP = (
+    "what a recorded log-prob means: processed (default) = under the distribution the token was sampled from, "
+    "after temperature and top-k/top-p/min-p, renormalised: the behaviour policy's probability in the RL "
+    "importance ratio; raw = log_softmax of the model's logits at temperature 1 (docs/logprob-semantics.md)")
+
+
+def add_processing_args(p: argparse.ArgumentParser) -> None:
+    """Truncation of the sampled distribution and the log-prob mode; truncation applies to sampled tokens only."""
+    d = Processing()
+    p.add_argument("--top-k", type=int, default=d.top_k, help="sample from the k likeliest tokens (default 0: off)")
+    p.add_argument("--top-p", type=float, default=d.top_p,
+                   help="sample from the likeliest tokens whose mass reaches P (default 1: off)")
+    p.add_argument("--min-p", type=float, default=d.min_p,
+                   help="sample from tokens at least P times as likely as the likeliest (default 0: off)")
+    p.add_argument("--logprobs-mode", choices=LOGPROB_MODES, default=d.logprobs_mode, help=LOGPROBS_MODE_HELP)
+
+
+def processing_from_args(args) -> Processing:
+    return Processing(args.top_k, args.top_p, args.min_p, args.logprobs_mode)
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -126,6 +149,7 @@ def workload_from_args(args) -> Workload:
         model=args.model, dtype=args.dtype, batch_size=args.batch_size, prompt_lens=args.prompt_lens,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
         block_size=args.block_size, stagger=args.stagger, prefill_chunk=args.prefill_chunk,
+        top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, logprobs_mode=args.logprobs_mode,
     )
     w.validate()
     return w

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from logdiff import report
 from logdiff.api import Unsupported
-from logdiff.cli.options import add_threads_arg, exit_status, int_list, stack_names
+from logdiff.cli.options import add_processing_args, add_threads_arg, exit_status, int_list, processing_from_args, stack_names
 from logdiff.report import progress
 from logdiff.stacks import TRAIN_STACKS
 from logdiff.train import TrainConfig, build_stack, exactly_on_policy, train_stack
@@ -31,6 +31,7 @@ def add(sub) -> None:
                    help=f"AdamW learning rate (default {d.learning_rate:g})")
     p.add_argument("--clip", type=float, default=d.clip, help=f"PPO-clip epsilon (default {d.clip:g})")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of weights, prompts and sampling (default 0)")
+    add_processing_args(p)
     add_threads_arg(p)
     p.add_argument("--out", metavar="DIR", help="folder for JSON and PNG (default ./logdiff-out/train)")
     p.set_defaults(func=cmd_train, stacks_default=TRAIN_STACKS)
@@ -40,7 +41,7 @@ def config_from_args(args) -> TrainConfig:
     config = TrainConfig(
         model=args.model, dtype=args.dtype, steps=args.steps, prompts=args.prompts, group_size=args.group_size,
         prompt_lens=tuple(args.prompt_lens), max_new_tokens=args.max_new_tokens, learning_rate=args.learning_rate,
-        clip=args.clip, seed=args.seed,
+        clip=args.clip, seed=args.seed, processing=processing_from_args(args),
     )
     config.validate()
     return config

@@ -7,7 +7,7 @@ import copy
 
 import torch
 
-from logdiff.api import DEFAULT_PAGE_SIZE, Capture, Request, RolloutOutput, locate
+from logdiff.api import DEFAULT_PAGE_SIZE, Capture, Processing, Request, RolloutOutput, locate
 from logdiff.batch import SeqBatch, check_score_from
 from logdiff.engine.kv_cache import BlockManager, PagedKVCache
 from logdiff.engine.scheduler import Scheduler, Sequence
@@ -52,11 +52,13 @@ class RolloutEngine:
         return [RolloutOutput(s.tokens, torch.cat(s.logprobs)) for s in done]
 
     @torch.no_grad()
-    def prompt_logprobs(self, sequences, score_from, temperatures) -> list[torch.Tensor]:
+    def prompt_logprobs(self, sequences, score_from, temperatures, processing=None) -> list[torch.Tensor]:
         """log p(token i | tokens < i) for i >= score_from[s] from prefill alone, as vLLM's prompt_logprobs:
         each whole sequence goes through the rollout's prefill path (in chunks if asked) over the paged cache.
-        Temperature 0 scores at 1, as for a greedy rollout."""
-        requests = [Request(tuple(s), max_new_tokens=0, temperature=t) for s, t in zip(sequences, temperatures)]
+        Temperature 0 scores at 1, as for a greedy rollout; `processing` as for the trainer."""
+        processing = processing or [Processing()] * len(sequences)
+        requests = [Request(tuple(s), max_new_tokens=0, temperature=t, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                            logprobs_mode=p.logprobs_mode) for s, t, p in zip(sequences, temperatures, processing)]
         check_score_from(sequences, score_from)
         self._allocate(requests, capture=None)
         seqs = [Sequence(i, r) for i, r in enumerate(requests)]
@@ -70,8 +72,10 @@ class RolloutEngine:
             targets = [s.request.prompt[a + r + 1] for s, a, rows in zip(part, starts, emitted) for r in rows]
             if not targets:
                 continue
-            temps = [s.request.temperature for s, rows in zip(part, emitted) for _ in rows]
-            logp = self.ops.vocab_parallel_logprobs(logits, torch.tensor(targets), torch.tensor(temps, dtype=torch.float32))
+            temps = torch.tensor([s.request.temperature for s, rows in zip(part, emitted) for _ in rows], dtype=torch.float32)
+            processing = [s.request.processing for s, rows in zip(part, emitted) for _ in rows]
+            truncated = self.ops.truncated(logits, temps, processing)
+            logp = self.ops.mode_logprobs(logits, truncated, torch.tensor(targets), temps, processing)
             for s, piece in zip(part, logp.split([len(rows) for rows in emitted])):
                 scored[s.index].append(piece)
         for s in seqs:
@@ -143,8 +147,11 @@ class RolloutEngine:
         temps = torch.tensor([s.request.temperature for s in seqs], dtype=torch.float32)
         seeds = torch.tensor([s.request.seed for s in seqs], dtype=torch.long)
         index = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.long)
-        tokens = self.ops.vocab_parallel_sample(logits, temps, seeds, index)
-        logp = self.ops.vocab_parallel_logprobs(logits, tokens, temps)
+        processing = [s.request.processing for s in seqs]
+        # Sampled from the processed distribution whatever the mode; the mode decides what is recorded.
+        truncated = self.ops.truncated(logits, temps, processing)
+        tokens = self.ops.vocab_parallel_sample(truncated, temps, seeds, index)
+        logp = self.ops.mode_logprobs(logits, truncated, tokens, temps, processing)
         if self.capture:
             self.capture("logprob", logp)
         for s, t, lp in zip(seqs, tokens.tolist(), logp):
