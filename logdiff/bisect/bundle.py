@@ -75,14 +75,20 @@ def manifest(side: str, stack: str, model: str, dtype: str, config: ModelConfig,
     }
 
 
+def check_target(path: str | os.PathLike) -> Path:
+    """A bundle may replace a bundle, nothing else."""
+    path = Path(path)
+    if path.exists() and not (path / MANIFEST).is_file():
+        raise UserError(f"{path} exists and is not a bundle; choose another --out")
+    return path
+
+
 def write_bundle(path: str | os.PathLike, manifest_: dict, tensors: dict[str, torch.Tensor]) -> int:
     """Writes the bundle into a fresh folder beside `path`, then renames it there: a reader never sees half a
     bundle, and an older bundle at `path` is replaced whole. Returns the bytes written."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    if path.exists() and not (path / MANIFEST).is_file():
-        raise UserError(f"{path} exists and is not a bundle; choose another --out")
+    path = check_target(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:

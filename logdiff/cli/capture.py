@@ -3,11 +3,9 @@ bundle (logdiff.bisect.bundle), for `logdiff bisect --bundle A --bundle B` later
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from logdiff import report, stacks
 from logdiff.api import TrainerInputs, Unsupported
-from logdiff.bisect.bundle import ROWS, WorkloadRecorder, manifest, write_bundle
+from logdiff.bisect.bundle import ROWS, WorkloadRecorder, check_target, manifest, write_bundle
 from logdiff.bisect.locate import ROLLOUT, TRAINER
 from logdiff.cli.options import add_threads_arg, add_workload_args, stack_names, workload_from_args
 from logdiff.errors import UserError
@@ -35,13 +33,16 @@ def cmd_capture(args) -> int:
     if len(names) != 1:
         raise UserError(f"capture runs one stack, got {len(names)} ({', '.join(names)}); pass --stack once")
     out = report.output_dir(args.out or report.default_out("capture", names[0].replace(":", "_")), "--out")
+    sides = [side for side in (ROLLOUT, TRAINER) if args.side in (side, BOTH)]
+    for side in sides:
+        check_target(out / side)  # before any work
     progress(f"{names[0]}: building")
     stack = stacks.build(names[0], workload.spec, workload.torch_dtype, workload.max_model_len)
     if not stack.supports_capture:
         raise UserError(f"stack {names[0]!r} does not implement the capture hook (supports_capture, see logdiff.api.Stack); "
                         "add it, or write bundles from your own hooks as docs/bundle-format.md shows")
     requests = workload.requests()
-    recorders = {side: WorkloadRecorder(len(requests)) for side in (ROLLOUT, TRAINER) if args.side in (side, BOTH)}
+    recorders = {side: WorkloadRecorder(len(requests)) for side in sides}
     try:
         progress(f"{names[0]}: rollout" + (" with capture on" if ROLLOUT in recorders else ""))
         outputs = stack.rollout(requests, engine_options(workload), capture=recorders.get(ROLLOUT))
@@ -54,7 +55,7 @@ def cmd_capture(args) -> int:
     provenance = report.envelope("capture", workload.to_dict(), [{"name": stack.name, "describe": stack.describe()}])
     for side, recorder in recorders.items():
         tensors = recorder.tensors()
-        path = Path(out, side)
+        path = out / side
         size = write_bundle(path, manifest(side, names[0], workload.model, workload.dtype, workload.spec.config(),
                                            scored.sequences, scored.score_from, scored.temperatures, tensors, provenance),
                             tensors)
