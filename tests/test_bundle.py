@@ -2,14 +2,20 @@
 no model; identical bundles agree; a bad or incomplete bundle is one line and exit 2, never a pass."""
 
 import json
+import re
 import shutil
+from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
-from logdiff.bisect.bundle import MANIFEST, ROWS, TENSORS
+from logdiff.baselines.hf import build_hf_model
+from logdiff.bisect.bundle import MANIFEST, ROWS, TENSORS, load_bundle
+from logdiff.bisect.locate import diff_rows
 from logdiff.cli.main import main
 from logdiff.kernels.ablations import BREAKS_ON
+from logdiff.weights import ModelSpec
 
 NO_ORDER = BREAKS_ON["reference-no-order"]  # batch 1, prompt 200: the decode steps' lone-row GEMMs differ
 NO_ORDER_ARGS = ["--stack", "reference-no-order", "--batch-size", str(NO_ORDER["batch_size"]), "--prompt-lens",
@@ -173,9 +179,10 @@ def _first_sequence_only(t):
 MISMATCHED = {
     "tokens": (lambda p: _edit_manifest(p, _other_token),
                "hold different tokens in sequence 1 (first at position 101, prompt lengths 100 and 100)"),
-    "model": (lambda p: _edit_manifest(p, lambda m: m["model"]["config"].update(rope_theta=10.0)), "are of different models"),
+    "model": (lambda p: _edit_manifest(p, lambda m: m["model"]["config"].update(rope_theta=10.0)),
+              "are of different models (rope_theta differ)"),
     "dtype": (lambda p: _edit_manifest(p, lambda m: m["model"].update(dtype="bf16")),
-              'are of different dtypes ("fp32" vs "bf16")'),
+              "are of different dtypes (fp32 vs bf16)"),
     "shape": (lambda p: _edit_tensors(p, _narrow_q_proj),
               "differ in point layers.0.q_proj's rows: [128] float32 vs [64] float32"),
     "sequences": (lambda p: [_edit_manifest(p, lambda m: m["sequences"].pop()), _edit_tensors(p, _first_sequence_only)],
@@ -200,3 +207,35 @@ def test_bundles_that_cannot_be_compared_are_one_line_and_exit_2(small, tmp_path
 def test_bad_bundle_arguments_are_one_line_and_exit_2(capsys, args, message):
     assert main(["bisect", *args]) == 2
     assert message in _error_line(capsys)
+
+
+def _recipe():
+    """docs/bundle-format.md's `write_bundle`, the hooks recipe, as its readers copy it."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "bundle-format.md").read_text()
+    code = next(block for block in re.findall(r"```python\n(.*?)```", doc, re.S) if "def write_bundle" in block)
+    namespace = {}
+    exec(compile(code, "docs/bundle-format.md", "exec"), namespace)
+    return namespace["write_bundle"]
+
+
+def test_the_documented_hooks_recipe_writes_a_bundle_bisect_reads(tmp_path, capsys):
+    args = ["--batch-size", "2", "--prompt-lens", "5,40", "--max-new-tokens", "3"]
+    assert main(["capture", "--stack", "hf", "--side", "trainer", *args, "--out", str(tmp_path / "hf")]) == 0
+    assert main(["capture", "--stack", "reference", "--side", "rollout", *args, "--out", str(tmp_path / "ref")]) == 0
+    model = build_hf_model(ModelSpec("qwen3-moe-tiny"), torch.float32, "sdpa")
+    write_bundle = _recipe()
+    for source, out in (("hf", "hooks-hf"), ("ref", "hooks-ref")):
+        sequences = json.loads((next((tmp_path / source).iterdir()) / MANIFEST).read_text())["sequences"]
+        write_bundle(model, [s["tokens"] for s in sequences], [s["prompt_len"] for s in sequences], tmp_path / out)
+    # the same forward as logdiff's own hooks on transformers: every point both hold, bit for bit
+    ours, theirs = load_bundle(tmp_path / "hf" / "trainer"), load_bundle(tmp_path / "hooks-hf")
+    common = set(ours.points) & set(theirs.points)
+    assert {"tokens", "positions", "embedding", "layers.1.attention", "layers.1.combine", "logits", "logprob"} <= common
+    for name in common:
+        a, b = ours.rows_of(name), theirs.rows_of(name)
+        assert a.keys() == b.keys() and all(diff_rows(a[k], b[k]).equal for k in a), name
+    capsys.readouterr()
+    assert main(["bisect", "--bundle", str(tmp_path / "hf" / "trainer"), "--bundle", str(tmp_path / "hooks-hf")]) == 0
+    # against another engine's rollout: localised to an op, as live bisect of hf would be
+    assert main(["bisect", "--bundle", str(tmp_path / "ref" / "rollout"), "--bundle", str(tmp_path / "hooks-ref")]) == 1
+    assert "first capture point that differs for this row: layers.0." in capsys.readouterr().out

@@ -14,6 +14,7 @@ Anything a reader cannot trust is refused with one line (UserError), never compa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -213,11 +214,15 @@ def _checked_point(path: Path, name: str, data: torch.Tensor, rows: torch.Tensor
 
 def compare_bundles(a: Bundle, b: Bundle) -> Bisection:
     """Where bundle `a`'s side and bundle `b`'s part ways, reported as live bisect reports it (a as `rollout`)."""
-    for what, x, y in (("model", a.model.get("config"), b.model.get("config")),
-                       ("dtype", a.model.get("dtype"), b.model.get("dtype"))):
-        if x != y:
-            raise UserError(f"bundles {a.path} and {b.path} are of different {what}s ({_short(x)} vs {_short(y)}); "
-                            "capture both sides on one model and dtype")
+    # The configs as logdiff reads them (a transformers config.json carries many more keys), names aside.
+    shapes = [f.name for f in dataclasses.fields(ModelConfig) if f.name != "name"
+              and getattr(a.config, f.name) != getattr(b.config, f.name)]
+    if shapes:
+        raise UserError(f"bundles {a.path} and {b.path} are of different models ({', '.join(shapes)} differ); "
+                        "capture both sides on one model")
+    if a.model.get("dtype") != b.model.get("dtype"):
+        raise UserError(f"bundles {a.path} and {b.path} are of different dtypes ({a.model.get('dtype')} vs "
+                        f"{b.model.get('dtype')}); capture both sides in one dtype")
     if len(a.sequences) != len(b.sequences):
         raise UserError(f"bundles {a.path} and {b.path} hold {len(a.sequences)} and {len(b.sequences)} sequences; "
                         "capture both sides on the same sequences")
@@ -250,11 +255,6 @@ def compare_bundles(a: Bundle, b: Bundle) -> Bisection:
     result.position = a.prompt_lens[d.seq] + d.pos - 1
     rows = [Captured(label, bundle.recorder(d.seq, result.position), config) for label, bundle in zip(labels, (a, b))]
     return locate_first_point(result, *rows, config)
-
-
-def _short(value) -> str:
-    text = json.dumps(value, sort_keys=True)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _row_type(t: torch.Tensor) -> str:
