@@ -107,14 +107,19 @@ def default_out(command: str, *parts: str) -> Path:
     return Path(DEFAULT_OUT, command, *parts)
 
 
+def readable_by_all(path: str | os.PathLike, mode: int = 0o666) -> None:
+    """`mode` as the umask allows, as a plain open() would have created it."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, mode & ~umask)
+
+
 def write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
     """`write(tmp)` into a temporary file beside `path`, then rename: readers never see half a file."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
     os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; results are for everyone to read
+    readable_by_all(tmp)  # mkstemp creates 0600; results are for everyone to read
     try:
         write(Path(tmp))
         os.replace(tmp, path)

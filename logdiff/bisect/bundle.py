@@ -30,6 +30,7 @@ from logdiff.bisect.locate import Bisection, Captured, locate_first_point
 from logdiff.config import ModelConfig
 from logdiff.errors import UserError
 from logdiff.metrics import compare
+from logdiff.report import readable_by_all
 
 FORMAT, VERSION = "logdiff-bundle", 1
 MANIFEST, TENSORS = "manifest.json", "tensors.safetensors"
@@ -95,7 +96,8 @@ def write_bundle(path: str | os.PathLike, manifest_: dict, tensors: dict[str, to
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / TENSORS))
         (tmp / MANIFEST).write_text(json.dumps(manifest_, indent=1) + "\n")
-        tmp.chmod(0o755)  # mkdtemp creates 0700; bundles are for everyone to read
+        for made, mode in ((tmp, 0o777), (tmp / TENSORS, 0o666), (tmp / MANIFEST, 0o666)):
+            readable_by_all(made, mode)  # mkdtemp creates 0700; bundles are for everyone to read
         if path.exists():
             old = path.rename(tmp.with_name(tmp.name + ".old"))
             tmp.rename(path)
