@@ -37,6 +37,11 @@ from logdiff.weights import TORCH_DTYPE_NAMES
 CHILD = Path(__file__).with_name("vllm_child.py")
 KV_CACHE_BYTES = int(os.environ.get("LOGDIFF_VLLM_KV_BYTES", 1 << 28))  # else vLLM takes 92 % of RAM on CPU
 CPU_BLOCK_MULTIPLE = 32
+# The log-prob of the distribution actually sampled from: logits / temperature (top-k/top-p off), so it is what a
+# trainer recomputes at the rollout's temperature. The default, raw_logprobs, is log_softmax(logits) whatever the
+# temperature: at T != 1 not the sampling policy, and no trainer scoring at T could match it. Greedy requests are
+# scored at temperature 1 in both modes.
+LOGPROBS_MODE = "processed_logprobs"
 _DECLINED: dict[tuple, Unsupported] = {}  # (python, env) whose engine cannot start on this platform: tried once
 
 
@@ -55,11 +60,7 @@ def engine_kwargs(checkpoint: str, dtype: torch.dtype, max_model_len: int, optio
     kwargs = dict(
         model=checkpoint, skip_tokenizer_init=True, dtype=TORCH_DTYPE_NAMES[dtype], seed=seed, enforce_eager=True,
         max_model_len=max_model_len, block_size=options.page_size, kv_cache_memory_bytes=KV_CACHE_BYTES,
-        # The log-prob of the distribution actually sampled from: logits / temperature (top-k/top-p off), so
-        # it is what a trainer recomputes at the rollout's temperature. The default, raw_logprobs, is
-        # log_softmax(logits) whatever the temperature: at T != 1 not the sampling policy, and no trainer
-        # scoring at T could match it. Greedy requests are scored at temperature 1 in both modes.
-        logprobs_mode="processed_logprobs",
+        logprobs_mode=LOGPROBS_MODE,
     )
     if options.prefill_chunk is not None:
         kwargs.update(enable_chunked_prefill=True, max_num_batched_tokens=options.prefill_chunk,
@@ -191,8 +192,7 @@ class VLLMStack(RemoteRollout):
         info["versions"]["vllm"] = (self.child.init_reply.get("vllm") if self.child and self.child.init_reply
                                     else installed_vllm(self.python))
         info["vllm_python"] = self.python
-        if self.env:
-            info["env"] = " ".join(f"{k}={v}" for k, v in self.env.items())
+        info["switches"] = {"logprobs_mode": LOGPROBS_MODE, "enforce_eager": True, **self.env}
         return info
 
 

@@ -107,7 +107,10 @@ def summary(stack: str, rows: list[dict], entry: dict, results, out: Path) -> st
     """One screen: the table, the verdict and why, the first failure's reason and how to rerun it, the files."""
     from logdiff.conformance.check import RESULT_FILES
 
-    lines = [f"logdiff check: stack {stack}, {len(results)} tests, {report.threads()}", report.table(rows)]
+    platform = report.platform_info()
+    lines = [f"logdiff check: stack {stack}, {len(results)} tests, {report.threads()}",
+             report.kernels_line(stack, entry["describe"]), report.platform_line(platform), report.provenance_line(platform),
+             report.table(rows)]
     if entry["max_abs_error_vs_fp64"]:
         lines.append("max |logp - logp_fp64| (C0): " + ", ".join(
             f"{side} {report.fmt_float(v)}" for side, v in entry["max_abs_error_vs_fp64"].items()))
