@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from logdiff import report, stacks
@@ -84,6 +85,9 @@ def cmd_bisect(args) -> int:
         print(f"logdiff bisect: {e}: the stack is not run-to-run deterministic, so captures cannot be compared")
         return 1
     print(render(result))
+    platform = report.platform_info()
+    print("\n".join([report.kernels_line(names[0], stack.describe()), report.platform_line(platform),
+                     report.provenance_line(platform)]))
     if args.json:
         write(args.json, result, workload.to_dict(), [{"name": result.stack, "describe": stack.describe()}])
     return 1 if result.divergence else 0  # the paths diverge: the stack fails rollout = trainer
@@ -101,10 +105,23 @@ def _bisect_bundles(args) -> int:
     bundles = [load_bundle(path) for path in args.bundles]
     result = compare_bundles(*bundles)
     print(render(result))
+    for label, bundle in zip(result.sides, bundles):
+        print(f"{label}: " + "\n  ".join(_provenance_lines(bundle.provenance)))
     if args.json:
         write(args.json, result, {"bundles": args.bundles},
               [{"name": b.stack, "side": b.side, "bundle": str(b.path), "provenance": b.provenance} for b in bundles])
     return 1 if result.divergence else 0
+
+
+def _provenance_lines(provenance: dict) -> list[str]:
+    """What ran where a bundle was captured: the lines of a logdiff report when logdiff wrote it, else its own words."""
+    try:
+        stack = provenance["stacks"][0]
+        return [report.kernels_line(stack["name"], stack["describe"]), report.platform_line(provenance["platform"]),
+                report.provenance_line(provenance["platform"])]
+    except (KeyError, IndexError, TypeError):
+        text = json.dumps(provenance, sort_keys=True)
+        return [f"provenance {text if len(text) <= 300 else text[:297] + '...'} (in full in --json)"]
 
 
 def _sides(args, layout: dict, one_process, stack) -> tuple[Side, Side]:
