@@ -45,6 +45,8 @@ def add(sub) -> None:
                    help="shrink a failing generated workload for at most S seconds (default: hypothesis' limit, 300 s); "
                         "for engines whose examples are slow")
     p.add_argument("--out", metavar="DIR", help="results folder (default ./logdiff-out/check/<stack>)")
+    p.add_argument("--junit-xml", metavar="PATH",
+                   help="also write the tests' outcomes as JUnit XML here (pytest's --junitxml), for a CI's test report")
     add_threads_arg(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_check)
@@ -79,8 +81,16 @@ def cmd_check(args) -> int:
         if args.workload_shrink_seconds < 0:
             raise UserError(f"--workload-shrink-seconds {args.workload_shrink_seconds:g} is negative; pass 0 or more")
         generated.append(f"--workload-shrink-seconds={args.workload_shrink_seconds}")
+    junit = report.check_writable(args.junit_xml, "--junit-xml") if args.junit_xml else None
     out = _out_dir(args.out, args.stack)  # after every check of the input: bad input creates nothing
-    collector = run_catalogue(args.stack, selected, args.xfails_file, generated, args.keyword)
+    if junit:
+        ran = []  # pytest writes the XML as the session ends: into a temporary file that replaces `junit` after
+        report.write_atomic(junit, lambda tmp: ran.append(run_catalogue(
+            args.stack, selected, args.xfails_file, [*generated, f"--junitxml={tmp}", "-o",
+                                                     f"junit_suite_name=logdiff check {args.stack}"], args.keyword)))
+        collector = ran[0]
+    else:
+        collector = run_catalogue(args.stack, selected, args.xfails_file, generated, args.keyword)
 
     verdicts = summarise(collector.results, selected, conformance.CATALOGUE)
     entry = {
