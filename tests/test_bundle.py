@@ -135,7 +135,11 @@ BROKEN_ONE = {
     "other format": (lambda p: _edit_manifest(p, lambda m: m.update(format="x")), 'does not say "format": "logdiff-bundle"'),
     "newer version": (lambda p: _edit_manifest(p, lambda m: m.update(version=2)),
                       "is format version 2; this logdiff reads version 1"),
-    "no sequences": (lambda p: _edit_manifest(p, lambda m: m.pop("sequences")), "manifest.json lacks 'sequences'"),
+    "no sequences": (lambda p: _edit_manifest(p, lambda m: m.pop("sequences")), "manifest.json lacks 'sequences' (a JSON list)"),
+    "no prompt length": (lambda p: _edit_manifest(p, lambda m: m["sequences"][1].pop("prompt_len")),
+                         "manifest.json's sequence 1 needs \"tokens\" (prompt + response ids) and \"prompt_len\""),
+    "not qwen3": (lambda p: _edit_manifest(p, lambda m: m["model"]["config"].update(model_type="llama")),
+                  "has model_type 'llama'; logdiff supports qwen3 and qwen3_moe checkpoints"),
     "required point missing": (lambda p: _edit_tensors(p, _drop_point("logprob")),
                                "missing capture point logprob (not in tensors.safetensors's 'logprob', "
                                "tensors.safetensors's 'logprob:rows')"),

@@ -168,16 +168,19 @@ def load_bundle(path: str | os.PathLike) -> Bundle:
     if m.get("version") != VERSION:
         raise UserError(f"bundle {path} is format version {m.get('version')!r}; this logdiff reads version {VERSION}: "
                         "capture it again with this logdiff")
-    for key in ("side", "model", "sequences", "points"):
-        if key not in m:
-            raise UserError(f"bundle {path}: {MANIFEST} lacks {key!r}; {HOW_TO_WRITE}")
-    config = ModelConfig.from_hf_dict(m["model"].get("config", {}), m["model"].get("name", str(path)))
+    for key, kind in (("side", str), ("model", dict), ("sequences", list), ("points", dict)):
+        if not isinstance(m.get(key), kind):
+            raise UserError(f"bundle {path}: {MANIFEST} lacks {key!r} (a JSON {kind.__name__.replace('dict', 'object')}); "
+                            f"{HOW_TO_WRITE}")
+    try:
+        config = ModelConfig.from_hf_dict(m["model"].get("config") or {}, m["model"].get("name", str(path)))
+    except UserError as e:
+        raise UserError(f"bundle {path}: {e}") from None
+    sequences, prompt_lens = _sequences(path, m["sequences"])
     try:
         tensors = load_file(str(path / TENSORS))
     except (SafetensorError, OSError) as e:
         raise UserError(f"bundle {path}: {TENSORS} cannot be read ({e}); capture it again") from None
-    sequences = [list(s["tokens"]) for s in m["sequences"]]
-    prompt_lens = [int(s["prompt_len"]) for s in m["sequences"]]
     points = {}
     for name in [*REQUIRED_POINTS, *(n for n in m["points"] if n not in REQUIRED_POINTS)]:
         missing = [f"{MANIFEST}'s points" * (name not in m["points"]), f"{TENSORS}'s {name!r}" * (name not in tensors),
@@ -188,6 +191,21 @@ def load_bundle(path: str | os.PathLike) -> Bundle:
         points[name] = _checked_point(path, name, tensors[name], tensors[name + ROWS], m["points"][name], sequences)
     return Bundle(path, m["side"], m.get("stack", "?"), m["model"], config, sequences, prompt_lens, points,
                   m.get("provenance", {}))
+
+
+def _sequences(path: Path, entries: list) -> tuple[list[list[int]], list[int]]:
+    """Each sequence's token ids and prompt length, checked: a prompt of at least one token and a response."""
+    sequences, prompt_lens = [], []
+    for i, entry in enumerate(entries):
+        tokens = entry.get("tokens") if isinstance(entry, dict) else None
+        prompt_len = entry.get("prompt_len") if isinstance(entry, dict) else None
+        if (not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens) or not isinstance(prompt_len, int)
+                or not 1 <= prompt_len < len(tokens)):
+            raise UserError(f"bundle {path}: {MANIFEST}'s sequence {i} needs \"tokens\" (prompt + response ids) and "
+                            "\"prompt_len\" (at least 1, less than the tokens); " + HOW_TO_WRITE)
+        sequences.append(tokens)
+        prompt_lens.append(prompt_len)
+    return sequences, prompt_lens
 
 
 def _checked_point(path: Path, name: str, data: torch.Tensor, rows: torch.Tensor, dtype: str,
