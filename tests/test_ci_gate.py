@@ -57,6 +57,7 @@ def test_the_summary_and_check_json_say_what_ran(failing):
     assert ("reference-no-blocks ran: GEMM logdiff GEMM (one fixed K order); attention trainer train_attention, "
             "rollout rollout_attention; alignments off: blocks") in result.stdout
     assert "\nran: mkl " in result.stdout and "fell back: " in result.stdout
+    assert "\n  ran: mkl " in result.stderr and "  ran: mkl " in (folder / "out" / "check.md").read_text()  # the header
     envelope = json.loads((folder / "out" / "check.json").read_text())
     assert envelope["stacks"][0]["describe"]["kernels"]["switched_off"] == ["blocks"]
     assert set(envelope["platform"]) >= {"gemm_tiers", "libraries", "isa", "versions", "switches", "fallbacks", "threads"}
