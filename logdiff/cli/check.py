@@ -114,13 +114,10 @@ def cmd_check(args) -> int:
 
 
 def summary(stack: str, rows: list[dict], entry: dict, results, out: Path) -> str:
-    """One screen: the table, the verdict and why, the first failure's reason and how to rerun it, the files."""
+    """One screen: the table, the verdict and why, the first failure's reason and how to rerun it, what ran, the files."""
     from logdiff.conformance.check import RESULT_FILES
 
-    platform = report.platform_info()
-    lines = [f"logdiff check: stack {stack}, {len(results)} tests, {report.threads()}",
-             report.kernels_line(stack, entry["describe"]), report.platform_line(platform), report.provenance_line(platform),
-             report.table(rows)]
+    lines = [f"logdiff check: stack {stack}, {len(results)} tests, {report.threads()}", report.table(rows)]
     if entry["max_abs_error_vs_fp64"]:
         lines.append("max |logp - logp_fp64| (C0): " + ", ".join(
             f"{side} {report.fmt_float(v)}" for side, v in entry["max_abs_error_vs_fp64"].items()))
@@ -143,6 +140,8 @@ def summary(stack: str, rows: list[dict], entry: dict, results, out: Path) -> st
         message = failed.message.splitlines() or [""]
         lines.append(f"first failure ({failed.failure}): {failed.id}: {message[0]}")
         lines += [f"  {line}" for line in message if line.startswith("reproduce: logdiff check")]
+    platform = report.platform_info()
+    lines += [report.kernels_line(stack, entry["describe"]), report.platform_line(platform), report.provenance_line(platform)]
     lines.append(f"files: {out}/ {' '.join(RESULT_FILES)}")
     return "\n".join(lines)
 
