@@ -134,13 +134,13 @@ def kernels_line(name: str, describe: dict) -> str:
     if kernels:
         off = ", ".join(kernels["switched_off"]) or "none"
         aligned = f"; alignments off: {off}" if kernels["alignments"] is not None else "; alignments: not a reference kernel set"
-        return (f"{name} ran: GEMM {kernels['gemm']}; attention trainer {kernels['attention']['trainer']}, "
+        return (f"{name}: ran GEMM {kernels['gemm']}; attention trainer {kernels['attention']['trainer']}, "
                 f"rollout {kernels['attention']['rollout']}{aligned}")
     settings = [f"{k} {_setting(v)}" for k, v in describe.items() if k not in ("name", "versions", "trainer_kernels")]
     trainer = describe.get("trainer_kernels")
     if trainer:
         settings.append(f"its trainer's GEMM {trainer['gemm']}, attention {trainer['attention']['trainer']}")
-    return f"{name} ran: " + ("; ".join(settings) or "no settings reported")
+    return f"{name}: ran " + ("; ".join(settings) or "no settings reported")
 
 
 def _setting(value) -> str:

@@ -54,7 +54,7 @@ def test_the_junit_xml_counts_what_check_json_counts(failing):
 
 def test_the_summary_and_check_json_say_what_ran(failing):
     result, folder = failing
-    assert ("reference-no-blocks ran: GEMM logdiff GEMM (one fixed K order); attention trainer train_attention, "
+    assert ("reference-no-blocks: ran GEMM logdiff GEMM (one fixed K order); attention trainer train_attention, "
             "rollout rollout_attention; alignments off: blocks") in result.stdout
     assert "\nran: mkl " in result.stdout and "fell back: " in result.stdout
     assert "\n  ran: mkl " in result.stderr and "  ran: mkl " in (folder / "out" / "check.md").read_text()  # the header

@@ -93,7 +93,7 @@ def test_run_prints_and_writes_what_ran(tmp_path, capsys):
     path = tmp_path / "run.json"
     assert main(["run", *QUICK, "--stack", "reference-no-order", "--json", str(path)]) == 1  # it diverges
     out = capsys.readouterr().out
-    assert "reference-no-order ran: GEMM logdiff GEMM, a call's lone last row reduced as two K halves" in out
+    assert "reference-no-order: ran GEMM logdiff GEMM, a call's lone last row reduced as two K halves" in out
     assert "alignments off: order" in out and "\nran: mkl " in out
     envelope = json.loads(path.read_text())
     assert envelope["stacks"][0]["describe"]["kernels"]["switched_off"] == ["order"]
@@ -104,4 +104,4 @@ def test_run_prints_and_writes_what_ran(tmp_path, capsys):
 def test_the_hf_stack_names_its_attention_implementation(stack_cache):
     describe = stack_cache("hf", Workload()).describe()
     assert describe["attn_implementation"] == "sdpa"
-    assert report.kernels_line("hf", describe) == "hf ran: device cpu; attn_implementation sdpa; experts_implementation default"
+    assert report.kernels_line("hf", describe) == "hf: ran device cpu; attn_implementation sdpa; experts_implementation default"
