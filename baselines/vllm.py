@@ -207,8 +207,8 @@ class VLLMStack(RemoteRollout):
         info["versions"]["vllm"] = (self.child.init_reply.get("vllm") if self.child and self.child.init_reply
                                     else installed_vllm(self.python))
         info["vllm_python"] = self.python
-        if self.env:
-            info["env"] = " ".join(f"{k}={v}" for k, v in self.env.items())
+        info["switches"] = {"logprobs_mode": " or ".join(f"{v} ({k} requests)" for k, v in VLLM_LOGPROBS_MODES.items()),
+                            "enforce_eager": True, **self.env}
         return info
 
 

@@ -44,7 +44,9 @@ def run_catalogue(stack: str, selected: list[str], xfails_file: str | None, opti
         raise UserError(f"no test of {', '.join(selected)} matches -k {keyword!r}; the test ids are in check.md, "
                         "or pass a name such as test_c3_rollout_matches_trainer")
     if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED) or collector.errors:
-        raise RuntimeError(f"the conformance run did not complete (pytest exit {int(code)}): {'; '.join(collector.errors)}")
+        # Not a verdict on the stack: the check itself could not run (exit 2, which a CI gate tells from a failure).
+        raise UserError(f"the conformance run did not complete (pytest exit {int(code)}: {'; '.join(collector.errors)}); "
+                        f"run `pytest --pyargs logdiff.conformance --stack {stack}` to see pytest's own report")
     return collector
 
 

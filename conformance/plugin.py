@@ -202,10 +202,13 @@ def pytest_report_header(config):
     if versions:
         lines.append("  versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     describe.pop("name", None)
+    kernels = describe.pop("kernels", None)
     if describe:
         lines.append("  " + ", ".join(f"{k}: {v}" for k, v in describe.items()))
+    if kernels:
+        lines.append("  " + report.kernels_line(info["stack"], {"kernels": kernels}))
     p = info["platform"]
-    lines.append("  " + report.platform_line(p))
+    lines += ["  " + report.platform_line(p), "  " + report.provenance_line(p)]
     return lines
 
 

@@ -158,3 +158,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     """x [.., N, in] @ w [.., out, in].T, one fixed reduction order, differentiable; rounded once to
     `out_dtype` (default x's)."""
     return matmul(x, w.mT).to(out_dtype or x.dtype)
+
+
+linear.gemm_backend = "logdiff GEMM (one fixed K order)"  # as reports name it (KernelSet.provenance)
+
+
+def fallbacks(here: list[str], chosen: dict[str, str]) -> list[str]:
+    """Where a process runs a slower GEMM tier than logdiff has because the CPU lacks the faster one, given the
+    tiers the CPU runs and those chosen (`tiers()`); a tier forced by LOGDIFF_GEMM_TIER is a switch, not this."""
+    best = {"fp32/fp16": FMA_TIERS[-1], "bf16": "amx-bf16"}
+    return [f"{dtypes} GEMMs on {chosen[dtypes]}: this CPU has no {tier}"
+            for dtypes, tier in best.items() if chosen[dtypes] != tier and tier not in here]

@@ -48,6 +48,11 @@ def split_k_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (parts[0] + parts[1]).to(x.dtype)
 
 
+# The GEMM each linear runs on, as reports name it (KernelSet.provenance); logdiff GEMM tiers are in the platform.
+plain_linear.gemm_backend = "torch.matmul (MKL / oneDNN: the library picks the reduction per shape)"
+row_tiled_linear.gemm_backend = "logdiff GEMM, a call's lone last row reduced as two K halves (order alignment off)"
+
+
 # Row-parallel GEMMs (o_proj, down_proj) split K into this many chunks whatever the parallel degree:
 # every supported degree (1, 2, 4) divides it, and a rank holds REDUCE_CHUNKS / degree whole chunks.
 REDUCE_CHUNKS = 4

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Sequence
 
 import torch
@@ -103,6 +105,22 @@ class KernelSet:
             temperature = torch.where(raw, 1.0, temperature)
         return self.vocab_parallel_logprobs(truncated, targets, temperature)
 
+    def provenance(self) -> dict:
+        """What this kernel set runs, as every report names it: each op's function (a partial with its settings),
+        the GEMM backend, both attention paths, and the alignments (logdiff.kernels.Alignments) switched off."""
+        ops = {f.name: op_name(getattr(self, f.name)) for f in dataclasses.fields(self)
+               if f.name not in ("name", "tp", "ep") and getattr(self, f.name) is not None}
+        align = next((fn.keywords["align"] for fn in (self.train_attention, self.rollout_attention)
+                      if isinstance(fn, partial) and "align" in fn.keywords), None)
+        alignments = dataclasses.asdict(align) if align is not None else None
+        return {
+            "gemm": getattr(self.linear, "gemm_backend", ops["linear"]),
+            "attention": {"trainer": short_op_name(self.train_attention), "rollout": short_op_name(self.rollout_attention)},
+            "alignments": alignments,
+            "switched_off": [a for a, on in (alignments or {}).items() if not on],
+            "ops": ops,
+        }
+
     def collectives(self) -> dict[str, str]:
         """Capture point (logdiff.bisect.capture) -> the collective its op ends in on these ranks; none on
         one process. `logdiff bisect` names it when that point is the first to differ."""
@@ -125,3 +143,16 @@ class KernelSet:
         from logdiff.kernels.moe import dispatch_experts
 
         return dispatch_experts(self.experts, self.ep, x, ids, gate_up, down)
+
+
+def op_name(fn) -> str:
+    """`module.function` of an op, a partial's settings after it, e.g. `...attention.train_attention(align=...)`."""
+    if isinstance(fn, partial):
+        settings = ", ".join(f"{k}={op_name(v) if callable(v) else v!r}" for k, v in fn.keywords.items())
+        return f"{op_name(fn.func)}({settings})"
+    return f"{getattr(fn, '__module__', None) or '?'}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def short_op_name(fn) -> str:
+    """The function's own name, for one-line reports: `train_attention`."""
+    return short_op_name(fn.func) if isinstance(fn, partial) else getattr(fn, "__name__", type(fn).__name__)

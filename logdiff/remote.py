@@ -305,6 +305,9 @@ class RemoteRollout(Stack):
     def describe(self) -> dict:
         info = super().describe()
         info["trainer"] = self.trainer_name
+        kernels = self.trainer.describe().get("kernels")
+        if kernels:
+            info["trainer_kernels"] = kernels
         return info
 
 

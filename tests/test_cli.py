@@ -133,5 +133,5 @@ def test_every_computing_command_takes_threads_and_states_the_default():
     from logdiff.cli.main import build_parser
 
     commands = build_parser()._subparsers._group_actions[0].choices
-    for name in ("run", "check", "bisect", "bench", "train", "analyze"):
+    for name in ("run", "check", "bisect", "capture", "bench", "train", "analyze"):
         assert "$OMP_NUM_THREADS if set, else 1: chosen for a shared machine" in " ".join(commands[name].format_help().split())

@@ -32,12 +32,12 @@ def logdiff(*args, cwd):
 def test_every_command_documents_the_exit_codes():
     parser = build_parser()
     subcommands = parser._subparsers._group_actions[0].choices
-    assert set(subcommands) == {"run", "list", "analyze", "bisect", "check", "bench", "train"}
+    assert set(subcommands) == {"run", "list", "analyze", "bisect", "capture", "check", "bench", "train"}
     for p in (parser, *subcommands.values()):
         assert EXIT_CODES in p.format_help()
 
 
-@pytest.mark.parametrize("command", ["run", "check", "bench", "bisect", "train"])
+@pytest.mark.parametrize("command", ["run", "check", "bench", "bisect", "capture", "train"])
 def test_a_missing_engine_is_one_line_exit_2_before_any_work(tmp_path, command):
     out = logdiff(command, "--stack", "vllm", cwd=tmp_path)
     assert out.returncode == 2, out.stderr

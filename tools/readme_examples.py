@@ -63,6 +63,7 @@ class Command:
 
 
 SECONDS = r"(?m)(?<=  )\d+\.\d(?= *$)"  # `logdiff run`'s last column
+RAN = r"(?m)^ran: .*$"  # library and engine versions, ISA, switches: the environment's, not the code's
 
 RUN_DTYPES = ("fp32", "bf16", "fp16")
 FIDELITY_STACKS = {"reference": "reference", "baseline": "baseline", "naive": "naive", "hf": "hf (transformers, sdpa)"}
@@ -88,10 +89,10 @@ class FidelityTable:
 
 
 EXAMPLES = {
-    "run": Command(("run",), volatile=(SECONDS,)),
+    "run": Command(("run",), volatile=(SECONDS, RAN)),
     "fidelity": FidelityTable(),
     "check": Command(("check", "--stack", "reference-no-blocks", "--property", "C3", "--workload-examples", "0"),
-                     pick=first_failure_and_summary),
+                     pick=first_failure_and_summary, volatile=(RAN,)),
     "bisect-tp": Command(("bisect", "--stack", "reference-no-reduce-order", "--model", "qwen3-dense-tiny", "--batch-size",
                           "2", "--prompt-lens", "7,33", "--max-new-tokens", "4", "--trainer-tp", "1", "--rollout-tp", "2"),
                          pick=up_to_table),

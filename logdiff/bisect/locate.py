@@ -134,7 +134,7 @@ class Captured:
 @dataclass
 class Bisection:
     stack: str
-    workload: Workload
+    about: str  # what ran, for the report's header: the workload, or the bundles' model and sequences
     comparison: Comparison
     logdiff: list[list[float]]  # |rollout - trainer| per sequence and response token
     divergence: Divergence | None = None
@@ -144,6 +144,7 @@ class Bisection:
     origin: Finding | None = None  # where an upstream difference came in
     num_layers: int = 0
     sides: tuple[str, str] = (ROLLOUT, TRAINER)  # what the values named rollout and trainer come from
+    captured: str = "replayed with capture on: both sides gave the run's tokens and log-probs bit for bit"
 
     @property
     def logprob_abs_diff(self) -> float | None:
@@ -200,7 +201,7 @@ def bisect_sides(a: Side, b: Side, workload: Workload, progress=lambda message: 
     comparison = compare(ran[0][1], ran[1][1])
     config = workload.spec.config()
     result = Bisection(
-        name, workload, comparison,
+        name, workload.describe(), comparison,
         logdiff=[(x.float() - y.detach().float()).abs().tolist() for x, y in zip(ran[0][1], ran[1][1])],
         divergence=comparison.first_divergence, num_layers=config.num_hidden_layers, sides=(a.label, b.label),
     )
@@ -210,6 +211,13 @@ def bisect_sides(a: Side, b: Side, workload: Workload, progress=lambda message: 
     result.position = scored.score_from[d.seq] + d.pos - 1
     first, second = (_replay(side, workload, scored, before, d.seq, result.position, config, progress)
                      for side, before in zip((a, b), ran))
+    return locate_first_point(result, first, second, config)
+
+
+def locate_first_point(result: Bisection, first: Captured, second: Captured, config: ModelConfig) -> Bisection:
+    """Fills `result` (its divergence and position set) from both sides' captured rows: every point at the
+    row, the first that differs and its class, and where an upstream difference came in. Live bisect and
+    offline bundles (logdiff.bisect.bundle) share it, so both report a divergence the same way."""
     names = [n for n in point_names(config.num_hidden_layers) if result.position in first.rows.get(n, {})
              and result.position in second.rows.get(n, {})]
     result.at_token = {n: diff_rows(first.rows[n][result.position], second.rows[n][result.position]) for n in names}

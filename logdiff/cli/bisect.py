@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from logdiff import report, stacks
@@ -46,6 +47,9 @@ def add(sub) -> None:
     p.add_argument("--path", choices=(ROLLOUT, TRAINER),
                    help="compare this path at its degree (--rollout-tp or --trainer-tp, default --tp; --ep) with itself "
                         "on one process, as C8 does (default: the rollout against the trainer)")
+    p.add_argument("--bundle", action="append", dest="bundles", metavar="DIR",
+                   help="compare two offline bundles instead of running a stack, on CPU with no model: --bundle A --bundle B "
+                        "(written by `logdiff capture` or your own hooks, docs/bundle-format.md); A is the first side")
     p.add_argument("--json", metavar="PATH",
                    help="write the result as JSON here, and beside it PATH-logdiff.png and PATH-first-divergence.png")
     p.set_defaults(func=cmd_bisect)
@@ -58,7 +62,8 @@ def picture_paths(json_path: str) -> tuple[Path, Path]:
 
 
 def cmd_bisect(args) -> int:
-
+    if args.bundles:
+        return _bisect_bundles(args)
     workload = workload_from_args(args)
     names = stack_names(args)
     if len(names) != 1:
@@ -80,9 +85,43 @@ def cmd_bisect(args) -> int:
         print(f"logdiff bisect: {e}: the stack is not run-to-run deterministic, so captures cannot be compared")
         return 1
     print(render(result))
+    platform = report.platform_info()
+    print("\n".join([report.kernels_line(names[0], stack.describe()), report.platform_line(platform),
+                     report.provenance_line(platform)]))
     if args.json:
-        _write(args.json, result, stack)
+        write(args.json, result, workload.to_dict(), [{"name": result.stack, "describe": stack.describe()}])
     return 1 if result.divergence else 0  # the paths diverge: the stack fails rollout = trainer
+
+
+def _bisect_bundles(args) -> int:
+    from logdiff.bisect.bundle import compare_bundles, load_bundle
+
+    if len(args.bundles) != 2:
+        raise UserError(f"--bundle compares two bundles, got {len(args.bundles)}; pass --bundle A --bundle B")
+    if args.stacks:
+        raise UserError("--bundle compares two bundles without running a stack; leave out --stack")
+    if args.json:
+        report.check_writable(args.json)
+    bundles = [load_bundle(path) for path in args.bundles]
+    result = compare_bundles(*bundles)
+    print(render(result))
+    for label, bundle in zip(result.sides, bundles):
+        print(f"{label}: " + "\n  ".join(_provenance_lines(bundle.provenance)))
+    if args.json:
+        write(args.json, result, {"bundles": args.bundles},
+              [{"name": b.stack, "side": b.side, "bundle": str(b.path), "provenance": b.provenance} for b in bundles])
+    return 1 if result.divergence else 0
+
+
+def _provenance_lines(provenance: dict) -> list[str]:
+    """What ran where a bundle was captured: the lines of a logdiff report when logdiff wrote it, else its own words."""
+    try:
+        stack = provenance["stacks"][0]
+        return [report.kernels_line(stack["name"], stack["describe"]), report.platform_line(provenance["platform"]),
+                report.provenance_line(provenance["platform"])]
+    except (KeyError, IndexError, TypeError):
+        text = json.dumps(provenance, sort_keys=True)
+        return [f"provenance {text if len(text) <= 300 else text[:297] + '...'} (in full in --json)"]
 
 
 def _sides(args, layout: dict, one_process, stack) -> tuple[Side, Side]:
@@ -103,12 +142,13 @@ def _sides(args, layout: dict, one_process, stack) -> tuple[Side, Side]:
     return Side(degrees(args.path), stack, args.path), Side(f"{args.path} TP1", one_process, args.path)
 
 
-def _write(path: str, result: Bisection, stack) -> None:
+def write(path: str, result: Bisection, workload: dict, stacks_described: list[dict], **extra) -> None:
+    """The JSON envelope at `path` and the pictures beside it; `extra` goes into the envelope (e.g. the bundles)."""
     from logdiff.bisect.plots import plot_first_divergence, plot_logdiff
 
     logdiff_png, heatmap_png = picture_paths(path)
     sides = "" if result.sides == (ROLLOUT, TRAINER) else f": the {result.sides[0]} against the {result.sides[1]}"
-    title = f"logdiff bisect {result.stack}{sides}\n{result.workload.describe()}"
+    title = f"logdiff bisect {result.stack}{sides}\n{result.about}"
     d = result.divergence
     plot_logdiff(logdiff_png, result.logdiff, (d.seq, d.pos) if d else None, title)
     written = [logdiff_png]
@@ -122,8 +162,7 @@ def _write(path: str, result: Bisection, stack) -> None:
         )
         written.append(heatmap_png)
     pictures = {"logdiff": logdiff_png.name, "first_divergence": heatmap_png.name if result.first else None}
-    envelope = report.envelope("bisect", result.workload.to_dict(), [{"name": result.stack, "describe": stack.describe()}],
-                               bisect=result.to_dict(), pictures=pictures)
+    envelope = report.envelope("bisect", workload, stacks_described, bisect=result.to_dict(), pictures=pictures, **extra)
     report.write_json(path, envelope)
     print("wrote " + ", ".join(map(str, [path, *written])))
 
@@ -132,7 +171,7 @@ def render(b: Bisection) -> str:
     c = b.comparison
     first, second = b.sides
     lines = [
-        f"logdiff bisect {b.stack}: {b.workload.describe()}, {report.threads()}",
+        f"logdiff bisect {b.stack}: {b.about}, {report.threads()}",
         *([] if b.sides == (ROLLOUT, TRAINER) else [f"comparing: the {first} against the {second}"]),
         f"run: {c.tokens} tokens, {c.bitwise_equal_tokens} bitwise equal, max |logdiff| {report.fmt_float(c.max_abs_logdiff)}",
     ]
@@ -144,7 +183,7 @@ def render(b: Bisection) -> str:
         f"first divergence: sequence {d.seq}, response token {d.pos} (scored from the row at position {b.position})",
         f"  log-prob: {first} {d.rollout!r} ({d.rollout_bits})  {second} {d.trainer!r} ({d.trainer_bits})  "
         f"|d| {report.fmt_float(b.logprob_abs_diff)}",
-        "  replayed with capture on: both sides gave the run's tokens and log-probs bit for bit",
+        f"  {b.captured}",
         "",
     ]
     if b.first is None:

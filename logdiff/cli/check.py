@@ -45,6 +45,8 @@ def add(sub) -> None:
                    help="shrink a failing generated workload for at most S seconds (default: hypothesis' limit, 300 s); "
                         "for engines whose examples are slow")
     p.add_argument("--out", metavar="DIR", help="results folder (default ./logdiff-out/check/<stack>)")
+    p.add_argument("--junit-xml", metavar="PATH",
+                   help="also write the tests' outcomes as JUnit XML here (pytest's --junitxml), for a CI's test report")
     add_threads_arg(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_check)
@@ -79,8 +81,16 @@ def cmd_check(args) -> int:
         if args.workload_shrink_seconds < 0:
             raise UserError(f"--workload-shrink-seconds {args.workload_shrink_seconds:g} is negative; pass 0 or more")
         generated.append(f"--workload-shrink-seconds={args.workload_shrink_seconds}")
+    junit = report.check_writable(args.junit_xml, "--junit-xml") if args.junit_xml else None
     out = _out_dir(args.out, args.stack)  # after every check of the input: bad input creates nothing
-    collector = run_catalogue(args.stack, selected, args.xfails_file, generated, args.keyword)
+    if junit:
+        ran = []  # pytest writes the XML as the session ends: into a temporary file that replaces `junit` after
+        report.write_atomic(junit, lambda tmp: ran.append(run_catalogue(
+            args.stack, selected, args.xfails_file, [*generated, f"--junitxml={tmp}", "-o",
+                                                     f"junit_suite_name=logdiff check {args.stack}"], args.keyword)))
+        collector = ran[0]
+    else:
+        collector = run_catalogue(args.stack, selected, args.xfails_file, generated, args.keyword)
 
     verdicts = summarise(collector.results, selected, conformance.CATALOGUE)
     entry = {
@@ -104,7 +114,7 @@ def cmd_check(args) -> int:
 
 
 def summary(stack: str, rows: list[dict], entry: dict, results, out: Path) -> str:
-    """One screen: the table, the verdict and why, the first failure's reason and how to rerun it, the files."""
+    """One screen: the table, the verdict and why, the first failure's reason and how to rerun it, what ran, the files."""
     from logdiff.conformance.check import RESULT_FILES
 
     lines = [f"logdiff check: stack {stack}, {len(results)} tests, {report.threads()}", report.table(rows)]
@@ -130,6 +140,8 @@ def summary(stack: str, rows: list[dict], entry: dict, results, out: Path) -> st
         message = failed.message.splitlines() or [""]
         lines.append(f"first failure ({failed.failure}): {failed.id}: {message[0]}")
         lines += [f"  {line}" for line in message if line.startswith("reproduce: logdiff check")]
+    platform = report.platform_info()
+    lines += [report.kernels_line(stack, entry["describe"]), report.platform_line(platform), report.provenance_line(platform)]
     lines.append(f"files: {out}/ {' '.join(RESULT_FILES)}")
     return "\n".join(lines)
 

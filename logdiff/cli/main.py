@@ -8,11 +8,11 @@ import sys
 
 import torch
 
-from logdiff.cli import analyze, bench, bisect, check, list_stacks, run, train
+from logdiff.cli import analyze, bench, bisect, capture, check, list_stacks, run, train
 from logdiff.cli.options import EXIT_CODES, Parser, threads_from_args
 from logdiff.errors import UserError
 
-COMMANDS = (run, list_stacks, analyze, bisect, check, bench, train)
+COMMANDS = (run, list_stacks, analyze, bisect, capture, check, bench, train)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -55,11 +55,12 @@ def threads_from_args(args) -> int:
 
 EXIT_CODES = """\
 exit status, the same for every command (a CI can gate on it):
-  0  every stack passed (list, bench: the command completed)
+  0  every stack passed (list, bench, capture: the command completed)
   1  a stack failed a property: bits differ, or C0 (fidelity) fails, or an engine erred in a test;
-     train: a stack is not exactly on-policy; bisect: the paths diverge (or do not reproduce)
+     train: a stack is not exactly on-policy; bisect: the paths or bundles diverge (or do not reproduce)
   2  bad input, or nothing could run: a missing engine, a stack that declined the workload or every
-     property (Unsupported), an unsupported parallel degree; one line on stderr, no traceback"""
+     property (Unsupported), an unsupported parallel degree, a bad or incomplete bundle; one line on
+     stderr, no traceback"""
 
 
 def exit_status(verdicts) -> int:

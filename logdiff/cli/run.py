@@ -41,7 +41,9 @@ def cmd_run(args) -> int:
         report.check_writable(args.json)
     dump = report.output_dir(args.dump, "--dump") if args.dump else None
     print(f"logdiff run: {workload.describe()}" + (f", parallel {layout}" if layout else ""))
-    print(report.platform_line(report.platform_info()))
+    platform = report.platform_info()
+    print(report.platform_line(platform))
+    print(report.provenance_line(platform))
     rows, results, problems = [], [], []
     rollout_side, trainer_side = StackCache(), StackCache()
     oracle = None
@@ -69,6 +71,9 @@ def cmd_run(args) -> int:
     print(report.table(rows))
     for line in problems:
         print(line)
+    for result in results:
+        if "describe" in result:
+            print(report.kernels_line(result["name"], result["describe"]))
     if args.json:
         report.write_json(args.json, report.envelope("run", workload.to_dict(), results))
         print(f"wrote {args.json}")
