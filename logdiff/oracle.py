@@ -37,8 +37,12 @@ from logdiff.weights import ModelSpec
 # rollout and trainer sides (truncated routing left out on the dense model, where it changes nothing); the
 # honest stacks' worst -> bound <- the wrong models' best:
 #   fp32  median 3.9e-7 -> 2e-5 <- 0.0045    q90 1.1e-6 -> 5e-5 <- 0.0123    max at no tie 1.5e-6 -> 1e-4
-#   bf16  median 0.0077 -> 0.03 <- 0.104     q90 0.0184 -> 0.08 <- 0.244     max at no tie 0.51   -> 2.0
+#   bf16  median 0.0077 -> 0.03 <- 0.104     q90 0.0184 -> 0.1  <- 0.244     max at no tie 0.51   -> 2.0
 #   fp16  median 0.0013 -> 0.003 <- 0.0046   q90 0.0051 -> 0.01 <- 0.0126    max at no tie 0.016  -> 1.5
+# On qwen3-moe-small (64 experts, top-8: near-ties on most tokens) honest bf16 reaches median 0.0096 and q90
+# 0.051, fp16 0.0019 and 0.0072; wrong models there from 0.062 and 0.169 in bf16 (bounds-measurement-qwen3-moe-small.txt).
+# Rotary angles computed in bf16 (positions past 256 rounded) reach q90 0.058 at long context: inside bf16's
+# bound, which the 64-expert honest figures fix; fp16 catches it (0.014).
 # (bf16's 0.51 at no tie: a flip 3 positions earlier in a 17-token prompt, reaching the token through
 # attention.) The wrong norm epsilon is the one wrong model bf16 cannot see: its median shift (0.009) is
 # bf16's own rounding (0.005-0.008); fp32 and fp16 catch it, at the smallest margins above (x1.5 in fp16).
@@ -46,7 +50,7 @@ from logdiff.weights import ModelSpec
 # workloads and the grid check catch it.
 FIDELITY_BOUNDS = {  # dtype: (median, q90, max at no routing tie)
     torch.float32: (2e-5, 5e-5, 1e-4),
-    torch.bfloat16: (0.03, 0.04, 2.0),
+    torch.bfloat16: (0.03, 0.1, 2.0),
     torch.float16: (0.003, 0.01, 1.5),
 }
 # A token's expert choice is at a tie when, in some MoE layer, the k-th and (k+1)-th router logits of the
