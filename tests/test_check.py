@@ -36,8 +36,9 @@ def test_failing_property_exits_1_with_table_and_divergence(failing):
     assert "rollout = trainer" in row and row.split()[-3] == "fail"  # then the two figures
     assert "FAIL (differ) test_c3_rollout_matches_trainer[breaks-no-blocks]" in result.stdout
     assert "logprobs differ at seq 0 pos" in result.stdout
-    tests = len(C3_CASES) + 1  # the fixed workloads and the generated ones
-    assert f"[{tests:>3}/{tests}] C3   test_c3_rollout_matches_trainer_generated" in result.stderr  # progress
+    tests = len(C3_CASES) + 2  # the fixed workloads, the generated edges and the generated regimes
+    assert f"[{tests - 1:>3}/{tests}] C3   test_c3_rollout_matches_trainer_generated:" in result.stderr  # progress
+    assert f"[{tests:>3}/{tests}] C3   test_c3_rollout_matches_trainer_generated_regimes:" in result.stderr
 
 
 def test_result_files_record_the_verdicts(failing):
@@ -48,7 +49,7 @@ def test_result_files_record_the_verdicts(failing):
     assert stack["name"] == "reference-no-blocks" and stack["verdict"] == "fail"
     assert stack["describe"]["versions"]["torch"].startswith("2.13.0")
     c3 = stack["properties"]["C3"]
-    assert c3["tests"] == len(C3_CASES) + 1 and c3["fail"] >= 1 and c3["fail"] + c3["pass"] == len(C3_CASES) + 1
+    assert c3["tests"] == len(C3_CASES) + 2 and c3["fail"] >= 1 and c3["fail"] + c3["pass"] == len(C3_CASES) + 2
     broken = next(t for t in stack["tests"] if t["id"] == "test_c3_rollout_matches_trainer[breaks-no-blocks]")
     assert broken["outcome"] == "fail" and "logprobs differ at seq" in broken["message"]
     assert stack["max_abs_logdiff"] == c3["max_abs_diff"] > 0
