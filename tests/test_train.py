@@ -156,7 +156,7 @@ def test_command_writes_json_and_png(tmp_path, capsys):
     (["--clip", "1.5"], "--clip 1.5 is outside"),
     (["--prompt-lens", "0,4"], "must all be >= 1"),
     (["--prompt-lens", "x"], "not a comma-separated list"),
-    (["--max-new-tokens", "5000"], "exceeds the 4096 positions"),
+    (["--max-new-tokens", "9000"], "exceeds the 8192 positions"),
     (["--stack", "nope"], "unknown stack 'nope'"),
     (["--threads", "0"], "--threads 0 is not positive"),
     (["--model", "/nonexistent"], "unknown model"),
