@@ -84,7 +84,7 @@ def conformance(session):
 
 @nox.session(python=PYTHON)
 def real_dims(session):
-    """The catalogue for the reference at real dimensions: `logdiff check --model qwen3-0.6b-2l` (Qwen3-0.6B's
+    """The catalogue for the reference at real dimensions: `logdiff check --model qwen3-0.6b --layers 2` (Qwen3-0.6B's
     GEMM, norm and vocabulary shapes, two layers) into results/<machine>/reference-qwen3-0.6b-2l/. 16 min, 16 GB
     peak on 2 idle cores. C8 is left out: its TP4 ranks each hold the 151936 x 1024 model beside the parent's
     instances, past 24 GiB (TP2 is tests/test_parallel.py's); C9 skips (it builds its own weights)."""
@@ -92,7 +92,7 @@ def real_dims(session):
     out = Path("results") / platform.node() / "reference-qwen3-0.6b-2l"
     properties = [arg for p in ("C0", "C1", "C2", "C3", "C4", "C5", "C6", "C7", "C9", "C10", "C11", "C12")
                   for arg in ("--property", p)]
-    session.run("logdiff", "check", "--stack", "reference", "--model", "qwen3-0.6b-2l", *properties,
+    session.run("logdiff", "check", "--stack", "reference", "--model", "qwen3-0.6b", "--layers", "2", *properties,
                 "--threads", str(os.cpu_count()), "--out", str(out), *session.posargs)
 
 

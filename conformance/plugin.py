@@ -18,6 +18,7 @@ from logdiff import report, stacks
 from logdiff.api import ENTRY_POINT_GROUP, Stack, Unsupported
 from logdiff.errors import UserError
 from logdiff.stacks import StackCache
+from logdiff.weights import ModelSpec
 from logdiff.workload import Workload
 
 DEFAULT_STACK = "reference"
@@ -46,6 +47,11 @@ def pytest_addoption(parser):
              "a property whose workload builds its own weights (C9's tied router) is skipped, with the reason",
     )
     group.addoption(
+        "--layers", type=int, default=None, metavar="N",
+        help="with --model: keep its first N decoder layers (embeddings, final norm and lm_head kept), the quick "
+             "gate on a real checkpoint (default: all)",
+    )
+    group.addoption(
         "--workload-seed", type=int, default=0, metavar="S",
         help="seed of the generated workloads (hypothesis) beside the fixed ones (default 0)",
     )
@@ -71,6 +77,14 @@ def pytest_configure(config):
         stacks.resolve(name)
     except UserError as e:
         raise pytest.UsageError(str(e)) from None
+    model, layers = config.getoption("--model"), config.getoption("--layers")
+    if layers is not None and not model:
+        raise pytest.UsageError("--layers cuts the model --model names; pass --model NAME|DIR with it")
+    if model:
+        try:
+            ModelSpec(model, layers=layers).config()
+        except UserError as e:
+            raise pytest.UsageError(str(e)) from None
     path = config.getoption("--xfails-file")
     config.stash[_XFAILS] = read_xfails(Path(path)) if path else {}
     config.stash[_BUILT] = {}
@@ -138,7 +152,8 @@ def reproducer(item, error: BaseException) -> str:
     generated = "".join(f" {flag} {config.getoption(flag)}" for flag, default in (
         ("--workload-seed", 0), ("--workload-examples", DEFAULT_EXAMPLES)) if config.getoption(flag) != default)
     model = config.getoption("--model")
-    on = f" --model {shlex.quote(model)}" if model else ""
+    layers = config.getoption("--layers")
+    on = (f" --model {shlex.quote(model)}" if model else "") + (f" --layers {layers}" if model and layers else "")
     lines = [f"reproduce: logdiff check --stack {stack}{on} -k {shlex.quote(item.name)}{generated}"]
     degrees, bisect_only = item.stash.get(_PARALLEL, ("", ""))
     for w in getattr(error, "workloads", None) or item.stash.get(_WORKLOADS, [])[-1:]:
@@ -170,12 +185,10 @@ def pytest_runtest_call(item):
     return (yield from _declined_is_skipped(item))
 
 
-def build_stack(config, model: str, seed: int, dtype: str, instance: str = "rollout",
-                max_model_len: int = MAX_MODEL_LEN) -> Stack:
-    """The stack under test for this model and dtype, built once per `instance`; a declined build is
-    remembered. The trainer side is scored on its own instance (a fresh factory call, same weights), so
+def build_stack(config, workload: Workload, instance: str = "rollout", max_model_len: int = MAX_MODEL_LEN) -> Stack:
+    """The stack under test for this workload's model and dtype, built once per `instance`; a declined build
+    is remembered. The trainer side is scored on its own instance (a fresh factory call, same weights), so
     a trainer cannot answer from the rollout's memory."""
-    workload = Workload(model=model, seed=seed, dtype=dtype)
     # On --model (real dimensions), one dtype's instances at a time: all of them would not fit in memory.
     cache = config.stash[_BUILT].setdefault(instance, StackCache(keep_one_model=bool(config.getoption("--model"))))
     return cache.get(config.getoption("--stack"), workload.spec, workload.torch_dtype, max_model_len)
@@ -187,7 +200,7 @@ def stack_info(config) -> dict:
         name = config.getoption("--stack")
         default = Workload()
         try:
-            describe = build_stack(config, default.model, default.seed, default.dtype).describe()
+            describe = build_stack(config, default).describe()
         except Unsupported as e:
             describe = {"name": name, "unavailable": str(e)}
         config.stash[STACK_INFO] = {"stack": name, "describe": describe, "platform": report.platform_info()}
@@ -216,7 +229,7 @@ def on_model(config, workload: Workload) -> Workload:
     """The workload on `--model` where one is given: its prompts (ids of the small vocabulary, valid in any
     larger one), lengths and sampling stay; the weights are the model's."""
     model = config.getoption("--model")
-    return dataclasses.replace(workload, model=model) if model else workload
+    return dataclasses.replace(workload, model=model, layers=config.getoption("--layers")) if model else workload
 
 
 def model_len_for(workload: Workload) -> int:
@@ -230,8 +243,7 @@ def model_len_for(workload: Workload) -> int:
 def _builder(config, instance: str):
     def get(workload: Workload) -> Stack:
         span = model_len_for(workload)
-        workload = on_model(config, workload)
-        return build_stack(config, workload.model, workload.seed, workload.dtype, instance, span)
+        return build_stack(config, on_model(config, workload), instance, span)
 
     return get
 
@@ -281,7 +293,7 @@ def oracle_for(pytestconfig):
 
     def get(workload: Workload):
         workload = on_model(pytestconfig, workload)
-        key = (workload.model, workload.seed, workload.dtype)
+        key = (workload.spec, workload.dtype)
         if key not in built:
             if pytestconfig.getoption("--model"):
                 built.clear()

@@ -9,8 +9,9 @@ import torch
 
 class RotaryTable:
     def __init__(self, head_dim: int, theta: float, max_positions: int):
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
+        # On the CPU whatever the default device: the model's parameters are made on "meta", then loaded.
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim))
+        freqs = torch.arange(max_positions, dtype=torch.float, device="cpu")[:, None] * inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = angles.cos(), angles.sin()
 

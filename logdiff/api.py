@@ -142,6 +142,11 @@ class Stack(ABC):
       parallel_degrees  {"tp": tensor-parallel degrees, "ep": expert-parallel degrees} that `parallel`
                         accepts (conformance C8); (1,) each: the stack runs in one process only
 
+    Isolation is of state, not of weight bytes: the trainer and the rollout engine may read the same
+    read-only weight tensors (a checkpoint mapped once), but neither may read what the other computed
+    (KV cache, logits, log-probs, activations), so C0/C3 compare two computations, not one result read
+    twice. A stack whose trainer changes weights in place (`trainer_parameters`) gives it its own copy first.
+
     The capture protocol: when `capture` is given, the stack calls, before every model forward,
     `locate(capture, request, position, head)`: the request index (-1 for padding) and absolute position
     of each row of that forward, and the rows whose next-token logits and log-probs it computes; then

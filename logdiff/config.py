@@ -146,19 +146,15 @@ NAMED_CONFIGS: dict[str, ModelConfig] = {
             num_attention_heads=8, num_key_value_heads=2, head_dim=64, intermediate_size=1536,
             max_position_embeddings=8192, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=192,
         ),
-        # Real dimensions at truncated depth (the peers' quick gate): every GEMM, norm and vocabulary shape
-        # of the release, two decoder layers. Qwen/Qwen3-0.6B: tied embeddings, 16/8 heads of 128.
+        # Published shapes (config.json of each release; weights are never downloaded): every GEMM, norm and
+        # vocabulary shape of the release. `--layers N` cuts them to the peers' quick gate (`qwen3-0.6b --layers 2`).
+        # Qwen/Qwen3-0.6B: tied embeddings, 16/8 heads of 128.
         ModelConfig(
-            name="qwen3-0.6b-2l", vocab_size=151936, hidden_size=1024, num_hidden_layers=2,
+            name="qwen3-0.6b", vocab_size=151936, hidden_size=1024, num_hidden_layers=28,
             num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072,
             max_position_embeddings=40960, tie_word_embeddings=True,
         ),
-        ModelConfig(
-            name="qwen3-30b-a3b-2l", vocab_size=151936, hidden_size=2048, num_hidden_layers=2,
-            num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
-            max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
-        ),
-        # Shapes of Qwen/Qwen3-30B-A3B (config.json of the release); weights are never downloaded.
+        # Qwen/Qwen3-30B-A3B.
         ModelConfig(
             name="qwen3-30b-a3b", vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
             num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,

@@ -29,6 +29,8 @@ class KernelSet:
     combine(expert_out [N, k, H], weights [N, k]) -> [N, H]
     token_logprobs(logits [N, V], targets [N], temperature [N]) -> fp32 [N]; temperature 0 scores at 1
     sample(logits [S, V], temperature [S], seeds [S], token_index [S]) -> tokens [S]
+    compute_dtype: the dtype of the activations (the embedding rows are cast to it; the ops take weights as
+        stored); None: the weights' own. The fp64 oracle's is float64 on weights as the stack stores them.
 
     Parallel execution (logdiff.parallel): `tp` and `ep` are the collectives over the ranks that share a
     tensor-parallel layer and the expert layers (`SINGLE_PROCESS`: one process, every collective the
@@ -57,6 +59,7 @@ class KernelSet:
     vocab_logprobs: Callable | None = None
     tp: Comm = SINGLE_PROCESS
     ep: Comm = SINGLE_PROCESS
+    compute_dtype: torch.dtype | None = None
 
     def row_parallel(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The GEMM of a row-parallel layer (o_proj, down_proj): K is sharded over `tp`, the result whole."""

@@ -119,6 +119,8 @@ class Qwen3ForCausalLM(nn.Module):
         # An embedding gather, not `weight[tokens]`: the backward of advanced indexing accumulates repeated
         # tokens' rows in a thread-dependent order on CPU (not deterministic); embedding's backward is.
         x = nn.functional.embedding(tokens, self.model.embed_tokens.weight)
+        if ops.compute_dtype is not None:
+            x = x.to(ops.compute_dtype)
         cap("embedding", x)
         for i, layer in enumerate(self.model.layers):
             at = f"layers.{i}."

@@ -6,13 +6,18 @@ every op: materialised causal softmax, loop-free GEMMs, softmax router, per-expe
 are the stack's weights as the stack's dtype stores them (bf16 weights upcast exactly), so what
 remains between a stack and the oracle is only the stack's arithmetic: rounding of activations and
 the order of its reductions. Property C0 bounds that gap per dtype (`FIDELITY_BOUNDS`).
+
+It streams: the weights stay as stored (a checkpoint's memory map) and each op upcasts the slice of one
+weight it needs to float64, so an fp64 copy of the model never exists; the logits, [positions, vocabulary]
+in fp64, are made and scored a few positions at a time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +26,6 @@ from logdiff.api import Processing, Unsupported
 from logdiff.batch import SeqBatch
 from logdiff.errors import UserError
 from logdiff.kernelset import KernelSet
-from logdiff.trainer import Trainer
 from logdiff.weights import ModelSpec
 
 # What an honest stack's |logp - logp_fp64| stays within, per dtype of its weights and activations, as three
@@ -64,8 +68,14 @@ def fidelity_bounds(dtype: torch.dtype) -> tuple[float, float, float]:
     return FIDELITY_BOUNDS[dtype]
 
 
+# Rows of a weight upcast to fp64 at once (16 MiB at hidden 2048... 128 MiB at 8192 rows x 2048 x 8 bytes),
+# and positions whose fp64 logits exist at once ([128, 151936] fp64: 156 MB).
+WEIGHT_ROWS = 8192
+LOGIT_POSITIONS = 128
+
+
 def _linear(x, w):
-    return F.linear(x, w.to(x.dtype))
+    return torch.cat([F.linear(x, rows.to(x.dtype)) for rows in w.split(WEIGHT_ROWS)], dim=-1)
 
 
 def _rms_norm(x, weight, eps):
@@ -133,7 +143,7 @@ def _token_logprobs(logits, targets, temperature):
 ORACLE_KERNELS = KernelSet(
     name="oracle-fp64", inference_weight=lambda w: w, linear=_linear, rms_norm=_rms_norm, act=_act, rope=_rope,
     train_attention=_causal_attention, rollout_attention=_no_rollout, route=_route, experts=_experts,
-    combine=_combine, token_logprobs=_token_logprobs, sample=_no_rollout,
+    combine=_combine, token_logprobs=_token_logprobs, sample=_no_rollout, compute_dtype=torch.float64,
 )
 
 
@@ -160,18 +170,21 @@ class Oracle:
         except (UserError, OSError, KeyError, ValueError) as e:  # a checkpoint the model definition cannot read
             raise Unsupported(f"the fp64 oracle cannot load model {spec.name!r} ({e})") from None
         self.dtype = dtype
-        self.model = model.to(torch.float64)
-        self.trainer = Trainer(self.model, ORACLE_KERNELS)
+        self.model = model
 
     @torch.no_grad()
-    def _forward(self, seq: Sequence[int], first: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp64 logits [len - first, V] of the positions that predict tokens first.., and their routing margins."""
+    def _forward(self, seq: Sequence[int], first: int, layer_done: Callable[[], None] = lambda: None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp64 final hidden states [len - first, H] of the positions that predict tokens first.., and their
+        routing margins; `layer_done` is called as each layer's attention ends (progress)."""
         seqs = SeqBatch.from_lengths([len(seq)])
         top_k = self.model.config.num_experts_per_tok
         margin = torch.full((len(seq),), torch.inf, dtype=torch.float64)
 
         def attend(layer, q, k, v):
-            return _causal_attention(q, k, v, seqs)
+            out = _causal_attention(q, k, v, seqs)
+            layer_done()
+            return out
 
         def capture(name, tensor):
             if name.endswith("router_logits"):
@@ -181,7 +194,10 @@ class Oracle:
 
         hidden = self.model.hidden_states(torch.as_tensor(seq, dtype=torch.long), seqs, ORACLE_KERNELS, attend, capture)
         predicting = slice(first - 1, len(seq) - 1)
-        return self.model.logits(hidden[predicting], ORACLE_KERNELS), margin[predicting]
+        return hidden[predicting], margin[predicting]
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden, ORACLE_KERNELS)
 
     def distributions(self, sequences: Sequence[Sequence[int]], score_from: Sequence[int],
                       temperatures: Sequence[float], processing: Sequence[Processing] | None = None) -> list[torch.Tensor]:
@@ -192,7 +208,7 @@ class Oracle:
         processing = processing or [Processing()] * len(sequences)
         out = []
         for seq, first, temp, proc in zip(sequences, score_from, temperatures, processing):
-            logits = self._forward(seq, first)[0]
+            logits = self._logits(self._forward(seq, first)[0])
             out.append(_in_mode(logits, temp, proc, _kept(logits, temp, proc)))
         return out
 
@@ -211,35 +227,53 @@ class Oracle:
         close to the least likely kept token's) sits on the boundary, where a stack's rounding may keep it:
         it is scored as kept (the kept set plus that token) and not counted as dropped, as greedy tokens are
         judged only where the top-2 margin is clear."""
+        from tqdm import tqdm
+
         boundary = fidelity_bounds(self.dtype)[2]
         scores = {name: OracleScores([], [], [], [], []) for name in readings}
+        # Work grows with tokens x layers; the bar shows itself only for work longer than a few seconds.
+        layers = self.model.config.num_hidden_layers
+        bar = tqdm(total=sum(map(len, sequences)) * layers, desc="fp64 oracle", unit="token-layer", unit_scale=True,
+                   delay=5, leave=False, file=sys.stderr, dynamic_ncols=True)
         for s, (seq, first, temp) in enumerate(zip(sequences, score_from, temperatures)):
-            logits, routing_margin = self._forward(seq, first)
+            bar.set_postfix_str(f"sequence {s + 1}/{len(sequences)}, {len(seq)} tokens", refresh=False)
+            hidden, routing_margin = self._forward(seq, first, lambda n=len(seq): bar.update(n))
             targets = torch.as_tensor(seq[first:], dtype=torch.long)[:, None]
-            tempered = F.log_softmax(logits / (temp if temp > 0 else 1.0), dim=-1)
             for name, processing in readings.items():
-                proc = processing[s] if processing is not None else Processing()
-                keep = _kept(logits, temp, proc)
-                logp = _in_mode(logits, temp, proc, keep)
-                chosen = logp.gather(1, targets).squeeze(1)
-                dropped = torch.zeros_like(chosen, dtype=torch.bool)
-                if keep is not None:
-                    least_kept = tempered.masked_fill(~keep, float("inf")).amin(-1)
-                    outside = ~keep.gather(1, targets).squeeze(1)
-                    near = outside & (least_kept - tempered.gather(1, targets).squeeze(1) <= boundary)
-                    dropped = outside & ~near
-                    if proc.logprobs_mode == "processed":
-                        rows = near.nonzero().flatten()
-                        chosen[rows] = _in_mode(logits[rows], temp, proc, keep[rows].scatter(1, targets[rows], True)).gather(
-                            1, targets[rows]).squeeze(1)
-                top2 = logp.topk(2, dim=-1).values
+                scores[name].routing_margin.append(routing_margin)
+            parts = {name: [] for name in readings}
+            for rows in range(0, len(targets), LOGIT_POSITIONS):
+                logits = self._logits(hidden[rows:rows + LOGIT_POSITIONS])
+                for name, processing in readings.items():
+                    proc = processing[s] if processing is not None else Processing()
+                    parts[name].append(_read(logits, targets[rows:rows + LOGIT_POSITIONS], temp, proc, boundary))
+            for name, chunks in parts.items():
                 out = scores[name]
-                out.logprobs.append(chosen)
-                out.top2_margin.append(top2[:, 0] - top2[:, 1])
-                out.argmax.append(logp.argmax(-1))
-                out.routing_margin.append(routing_margin)
-                out.dropped.append(dropped)
+                for field, *pieces in zip(("logprobs", "top2_margin", "argmax", "dropped"), *chunks):
+                    getattr(out, field).append(torch.cat(pieces))
+        bar.close()
         return scores
+
+
+def _read(logits: torch.Tensor, targets: torch.Tensor, temperature: float, processing: Processing, boundary: float):
+    """(log-prob of each target, top-2 margin, argmax, dropped by truncation) of fp64 `logits` [N, V] in mode
+    `processing`; a target dropped by less than `boundary` counts as kept (see `Oracle.readings`)."""
+    keep = _kept(logits, temperature, processing)
+    logp = _in_mode(logits, temperature, processing, keep)
+    chosen = logp.gather(1, targets).squeeze(1)
+    dropped = torch.zeros_like(chosen, dtype=torch.bool)
+    if keep is not None:
+        tempered = F.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+        least_kept = tempered.masked_fill(~keep, float("inf")).amin(-1)
+        outside = ~keep.gather(1, targets).squeeze(1)
+        near = outside & (least_kept - tempered.gather(1, targets).squeeze(1) <= boundary)
+        dropped = outside & ~near
+        if processing.logprobs_mode == "processed":
+            rows = near.nonzero().flatten()
+            chosen[rows] = _in_mode(logits[rows], temperature, processing, keep[rows].scatter(1, targets[rows], True)).gather(
+                1, targets[rows]).squeeze(1)
+    top2 = logp.topk(2, dim=-1).values
+    return chosen, top2[:, 0] - top2[:, 1], logp.argmax(-1), dropped
 
 
 def _kept(logits: torch.Tensor, temperature: float, processing: Processing) -> torch.Tensor | None:

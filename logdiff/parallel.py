@@ -136,7 +136,6 @@ def _worker(rank: int, world: int, port: int, backend: str, inbox, outbox) -> No
     from logdiff.engine.engine import RolloutEngine, inference_copy
     from logdiff.stacks import builtin_kernel_sets
     from logdiff.trainer import Trainer
-    from logdiff.weights import ModelSpec
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -150,10 +149,10 @@ def _worker(rank: int, world: int, port: int, backend: str, inbox, outbox) -> No
         kind, key, args, capture = command
         try:
             if key not in built:
-                kernels, model, seed, dtype, max_model_len, tp, ep = key
+                kernels, spec, dtype, max_model_len, tp, ep = key
                 ops = builtin_kernel_sets()[kernels][0](max_model_len)
                 ops = dataclasses.replace(ops, tp=comm if tp > 1 else SINGLE_PROCESS, ep=comm if ep > 1 else SINGLE_PROCESS)
-                shard = shard_model(ModelSpec(model, seed).build(dtype), rank if tp > 1 else 0, tp, rank if ep > 1 else 0, ep)
+                shard = shard_model(spec.build(dtype), rank if tp > 1 else 0, tp, rank if ep > 1 else 0, ep)
                 built[key] = (ops, Trainer(shard, ops), inference_copy(shard, ops))
             ops, trainer, engine_model = built[key]
             if kind == "rollout":
@@ -271,7 +270,7 @@ class ShardedStack(Stack):
         self.backend = backend_for(base.device)
         spec = base.spec
         dtype, span = base.model.dtype, base.max_model_len
-        self.keys = {path: (base.ops.name, spec.name, spec.seed, dtype, span, self.degrees[path], ep)
+        self.keys = {path: (base.ops.name, spec, dtype, span, self.degrees[path], ep)
                      for path in ("trainer", "rollout")}
 
     def _call(self, path: str, kind: str, *args, capture: Capture = None):

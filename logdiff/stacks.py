@@ -8,6 +8,7 @@ once per model and dtype and remembers a stack that declined.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 from typing import Callable
@@ -19,7 +20,7 @@ from logdiff.engine.engine import RolloutEngine, inference_copy, refresh_inferen
 from logdiff.errors import UserError
 from logdiff.kernelset import KernelSet
 from logdiff.trainer import Trainer
-from logdiff.weights import ModelSpec
+from logdiff.weights import ModelSpec, own_weights
 
 # The stack lists the commands, sessions and benchmarks default to.
 KERNEL_STACKS = ("reference", "baseline", "naive")  # kernel sets compared at the kernel level
@@ -40,7 +41,11 @@ class KernelStack(Stack):
         self.model = spec.build(dtype)
         self.device = str(next(self.model.parameters()).device)
         self.trainer = Trainer(self.model, kernels)
-        self.engine_model = inference_copy(self.model, kernels)
+
+    @functools.cached_property
+    def engine_model(self):
+        """Made on the first rollout: an instance that only scores (the trainer side of a run) holds one model."""
+        return inference_copy(self.model, self.ops)
 
     def engine(self, options: EngineOptions) -> RolloutEngine:
         return RolloutEngine(self.engine_model, self.ops, options.page_size, options.prefill_chunk, options.shuffle_pages)
@@ -58,10 +63,19 @@ class KernelStack(Stack):
         return {**super().describe(), "kernels": self.ops.provenance()}
 
     def trainer_parameters(self):
+        self._own_weights()
         return dict(self.model.named_parameters())
 
     def sync_weights(self):
+        self._own_weights()
         refresh_inference_copy(self.engine_model, self.model)
+
+    def _own_weights(self):
+        """The trainer updates its weights in place and the sync writes the engine's: both get their own
+        copies first (until then they read the weights every build of the spec shares)."""
+        if not getattr(self, "owns_weights", False):
+            own_weights(self.model, self.engine_model)
+            self.owns_weights = True
 
     @property
     def parallel_degrees(self):
@@ -177,7 +191,7 @@ def parallel_factory(name: str, layout: dict) -> StackFactory:
 
 
 class StackCache:
-    """Builds each (stack, model, seed, dtype, max_model_len) once: building copies the weights. A stack that
+    """Builds each (stack, model spec, dtype, max_model_len) once: building copies the weights. A stack that
     declined (`Unsupported`) declines again from the cache. `keep_one_model` frees a stack's earlier
     models when it builds another (benchmarks at qwen3-moe-small sizes)."""
 
@@ -187,7 +201,7 @@ class StackCache:
 
     def get(self, name: str | StackFactory, spec: ModelSpec, dtype: torch.dtype, max_model_len: int) -> Stack:
         """`name`: anything `resolve` takes, or a factory itself."""
-        key = (name, spec.name, spec.seed, dtype, max_model_len)
+        key = (name, spec, dtype, max_model_len)
         if key not in self.built:
             if self.keep_one_model:
                 for old in [k for k in self.built if k[0] == name]:

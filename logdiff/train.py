@@ -48,6 +48,7 @@ TREND_WINDOW = 20  # steps averaged at each end of a run to say whether the mism
 @dataclass(frozen=True)
 class TrainConfig:
     model: str = "qwen3-moe-tiny"
+    layers: int | None = None  # the first N decoder layers only (ModelSpec.layers)
     dtype: str = "bf16"
     steps: int = 200
     prompts: int = 4  # per step
@@ -62,7 +63,7 @@ class TrainConfig:
 
     @property
     def spec(self) -> ModelSpec:
-        return ModelSpec(self.model, self.seed)
+        return ModelSpec(self.model, self.seed, self.layers)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -92,7 +93,7 @@ class TrainConfig:
         limit = self.spec.config().max_position_embeddings
         if max(self.prompt_lens) + self.max_new_tokens > limit:
             raise UserError(f"prompt of {max(self.prompt_lens)} + {self.max_new_tokens} new tokens exceeds the {limit} "
-                            f"positions of model {self.model}; shorten --prompt-lens or --max-new-tokens")
+                            f"positions of model {self.spec.config().name}; shorten --prompt-lens or --max-new-tokens")
 
     def requests(self, step: int) -> list[Request]:
         """Step `step`'s batch, prompt-major: G requests per prompt, each with its own sampling seed.
@@ -110,8 +111,9 @@ class TrainConfig:
         return out
 
     def describe(self) -> str:
-        return (f"{self.model} {self.dtype}, {self.steps} steps of {self.prompts} prompts x {self.group_size} samples x "
-                f"{self.max_new_tokens} tokens, prompts {','.join(map(str, self.prompt_lens))}, lr {self.learning_rate:g}, "
+        return (f"{self.spec.config().name} {self.dtype}, {self.steps} steps of {self.prompts} prompts x "
+                f"{self.group_size} samples x {self.max_new_tokens} tokens, prompts {','.join(map(str, self.prompt_lens))}, "
+                f"lr {self.learning_rate:g}, "
                 f"clip {self.clip:g}, seed {self.seed}, {self.processing.describe()}")
 
     def to_dict(self) -> dict:

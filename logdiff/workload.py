@@ -29,6 +29,7 @@ def validate_processing(p: Processing) -> None:
 @dataclass(frozen=True)
 class Workload:
     model: str = "qwen3-moe-tiny"
+    layers: int | None = None  # the first N decoder layers only (ModelSpec.layers)
     dtype: str = "fp32"
     batch_size: int = 6
     prompt_lens: tuple[int, ...] = DEFAULT_PROMPT_LENS  # one per request, cycled to batch_size
@@ -49,7 +50,7 @@ class Workload:
 
     @property
     def spec(self) -> ModelSpec:
-        return ModelSpec(self.model, self.seed)
+        return ModelSpec(self.model, self.seed, self.layers)
 
     @property
     def max_model_len(self) -> int:
@@ -63,6 +64,8 @@ class Workload:
     def validate(self) -> None:
         """Raises UserError for anything a run could not honour."""
         self.torch_dtype
+        if self.layers is not None and self.layers < 1:
+            raise UserError(f"--layers {self.layers} is not positive; pass the number of decoder layers to keep")
         if self.batch_size < 1:
             raise UserError(f"batch size {self.batch_size} is not positive; pass --batch-size 1 or more")
         if not self.prompt_lens or min(self.prompt_lens) < 1:
@@ -84,7 +87,7 @@ class Workload:
         if longest > limit:
             raise UserError(
                 f"prompt of {max(self.prompt_lens)} + {self.max_new_tokens} new tokens exceeds the {limit} positions "
-                f"of model {self.model}; shorten --prompt-lens or --max-new-tokens"
+                f"of model {self.spec.config().name}; shorten --prompt-lens or --max-new-tokens"
             )
 
     def requests(self) -> list[Request]:
@@ -104,14 +107,16 @@ class Workload:
     def describe(self) -> str:
         chunk = f", prefill chunk {self.prefill_chunk}" if self.prefill_chunk else ""
         processing = f", {self.processing.describe()}" if self.processing != Processing() else ""
-        return (f"{self.model} {self.dtype}, {self.batch_size} requests, prompts {','.join(map(str, self.prompt_lens))}, "
+        depth = f" (--layers {self.layers})" if self.layers is not None else ""
+        return (f"{self.model}{depth} {self.dtype}, {self.batch_size} requests, prompts {','.join(map(str, self.prompt_lens))}, "
                 f"{self.max_new_tokens} new tokens, temperature {self.temperature}{processing}, KV page {self.block_size}, "
                 f"stagger {self.stagger}{chunk}")
 
     def command_line(self) -> str:
         """The `logdiff run` options that give this workload (only those that differ from the defaults)."""
         flags = {
-            "model": "--model", "dtype": "--dtype", "batch_size": "--batch-size", "prompt_lens": "--prompt-lens",
+            "model": "--model", "layers": "--layers", "dtype": "--dtype", "batch_size": "--batch-size",
+            "prompt_lens": "--prompt-lens",
             "max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "seed": "--seed",
             "block_size": "--block-size", "stagger": "--stagger", "prefill_chunk": "--prefill-chunk",
             "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p", "logprobs_mode": "--logprobs-mode",

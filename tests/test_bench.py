@@ -54,6 +54,14 @@ def test_bench_prints_ratios_and_peers(bench_run, capsys):
     assert "the limit: memory bandwidth" in text and "tokens/s (memory bandwidth)" in text
 
 
+def test_bench_on_a_cut_model_names_its_depth(tmp_path, capsys):
+    assert main(["bench", "--model", "qwen3-moe-tiny", "--layers", "1", "--stack", "reference", "--stack", "naive",
+                 "--case", "decode-b1", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    assert "qwen3-moe-tiny (--layers 1)" in capsys.readouterr().out
+    data = json.loads((tmp_path / "bench-qwen3-moe-tiny-1l-bf16.json").read_text())
+    assert data["workload"]["layers"] == 1
+
+
 def test_bench_profile_writes_each_stacks_ops(tmp_path):
     code = main(["bench", "--model", "qwen3-moe-tiny", "--dtype", "fp32", "--stack", "reference", "--stack", "baseline",
                  "--case", "decode-b1", "--repeats", "1", "--profile", "--out", str(tmp_path)])
@@ -75,6 +83,7 @@ def test_bench_profile_writes_each_stacks_ops(tmp_path):
     (["--stack", "no-such-stack"], "unknown stack 'no-such-stack'"),
     (["--dtype", "fp8"], "unknown dtype 'fp8'"),
     (["--threads", "0"], "--threads 0 is not positive"),
+    (["--layers", "9"], "--layers 9 is outside 1..4"),
 ])
 def test_bench_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path):
     assert main(["bench", "--out", str(tmp_path), *args]) == 2

@@ -90,6 +90,8 @@ def test_passing_property_exits_0_with_green_badges_under_logdiff_out(tmp_path):
     (["--stack", "reference", "--property", "C13"], "unknown property 'C13'; choose from C0, C1"),
     (["--stack", "reference", "--xfails-file", "no/such/file.txt"], "--xfails-file no/such/file.txt is not a file"),
     (["--stack", "reference", "--out", "pyproject.toml"], "--out pyproject.toml exists and is not a directory"),
+    (["--stack", "reference", "--layers", "1"], "--layers cuts the model --model names; pass --model"),
+    (["--stack", "reference", "--model", "qwen3-moe-tiny", "--layers", "5"], "--layers 5 is outside 1..2"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, monkeypatch, args, message):
     monkeypatch.chdir(REPO)
@@ -140,12 +142,13 @@ def test_check_runs_the_transformers_stack_from_a_checkout(tmp_path):
 
 
 def test_model_option_runs_every_workload_on_that_model_and_says_so(tmp_path):
-    """--model: a failure reproduces on the model it ran on; C9, which builds its own weights, is skipped."""
-    result = check("--stack", "reference-no-blocks", "--model", "qwen3-dense-tiny", "--property", "C3", "--property", "C9",
-                   "-k", "breaks-no-blocks or c9", "--out", str(tmp_path))
+    """--model and --layers: a failure reproduces on the model it ran on, cut as it was; C9, which builds its own
+    weights, is skipped."""
+    result = check("--stack", "reference-no-blocks", "--model", "qwen3-dense-tiny", "--layers", "1", "--property", "C3",
+                   "--property", "C9", "-k", "breaks-no-blocks or c9", "--out", str(tmp_path))
     assert result.returncode == 1, result.stderr[-3000:]
-    assert "reproduce: logdiff check --stack reference-no-blocks --model qwen3-dense-tiny -k" in result.stdout
-    assert re.search(r"reproduce: logdiff run --stack reference-no-blocks --model qwen3-dense-tiny ", result.stdout)
+    assert "reproduce: logdiff check --stack reference-no-blocks --model qwen3-dense-tiny --layers 1 -k" in result.stdout
+    assert re.search(r"reproduce: logdiff run --stack reference-no-blocks --model qwen3-dense-tiny --layers 1 ", result.stdout)
     c9 = json.loads((tmp_path / "check.json").read_text())["stacks"][0]["properties"]["C9"]
     assert c9["verdict"] == "skipped", c9
 

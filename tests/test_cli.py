@@ -38,6 +38,7 @@ def test_json_envelope_and_dump(tmp_path):
     ref, base = env["stacks"]
     assert ref["name"] == "reference" and ref["verdict"] == "pass" and ref["bitwise_equal_tokens"] == ref["tokens"] == 8
     assert ref["first_divergence"] is None and ref["max_abs_logdiff"] == 0
+    assert env["memory"]["peak_rss_bytes"] > ref_weights_bytes() and env["memory"]["children_peak_rss_bytes"] >= 0
     assert base["verdict"] == "fail" and base["first_divergence"]["rollout_bits"].startswith("0x")
     for name in ("training/rollout_probs_diff_max", "rollout_corr/k3_kl", "train_rollout_logprob_abs_diff"):
         assert ref["metrics"][name] == 0.0 and name in base["metrics"]
@@ -45,6 +46,17 @@ def test_json_envelope_and_dump(tmp_path):
     assert torch.equal(dumped["rollout_logprobs"], dumped["trainer_logprobs"])
     assert dumped["tokens"].shape == (2, 134) and dumped["response_mask"].sum() == 8
     assert not [p for p in tmp_path.rglob(".*")], "temporary files left behind"
+
+
+def ref_weights_bytes():
+    return ModelSpec("qwen3-moe-tiny").checkpoint_bytes(torch.bfloat16)
+
+
+def test_run_on_a_cut_model_names_its_depth_and_prints_peak_memory(capsys):
+    assert main(["run", *QUICK, "--stack", "reference", "--layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen3-moe-tiny (--layers 1) fp32" in out
+    assert "memory: peak RSS" in out and "weights" in out
 
 
 def test_list_names_stacks_and_models(capsys):
@@ -79,6 +91,7 @@ BAD = {
     "missing checkpoint": (lambda t: ["--model", str(t)], "has no config.json"),
     "corrupt weights": (lambda t: ["--model", str(corrupt_checkpoint(t))], "not a readable safetensors file"),
     "corrupt config": (lambda t: ["--model", str(truncated_config(t))], "is not valid JSON"),
+    "depth outside the model": (lambda t: ["--layers", "3"], "--layers 3 is outside 1..2"),
     "json folder missing": (lambda t: ["--json", str(t / "no" / "such" / "r.json")], "does not exist"),
     "json path is a folder": (lambda t: ["--json", str(t)], "is a directory"),
 }

@@ -78,6 +78,6 @@ def test_run_trainer_tp1_rollout_tp2_is_bitwise_for_reference(tmp_path, capsys):
 def test_a_tied_lm_head_scores_only_its_ranks_vocabulary(capsys):
     """Qwen3-0.6B ties its lm_head to the embedding table. A tensor-parallel rank's engine once re-tied its
     vocabulary slice to the whole table, so every rank summed exp over all of V: log 2 off at TP2."""
-    argv = ["run", "--stack", "reference", "--model", "qwen3-0.6b-2l", "--batch-size", "1", "--prompt-lens", "7",
+    argv = ["run", "--stack", "reference", "--model", "qwen3-0.6b", "--layers", "2", "--batch-size", "1", "--prompt-lens", "7",
             "--max-new-tokens", "2", "--trainer-tp", "1", "--rollout-tp", "2"]
     assert main(argv) == 0, capsys.readouterr().out

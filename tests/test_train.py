@@ -160,6 +160,7 @@ def test_command_writes_json_and_png(tmp_path, capsys):
     (["--stack", "nope"], "unknown stack 'nope'"),
     (["--threads", "0"], "--threads 0 is not positive"),
     (["--model", "/nonexistent"], "unknown model"),
+    (["--layers", "3"], "--layers 3 is outside 1..2"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, bad, message):
     assert main(["train", *QUICK, "--out", str(tmp_path / "out"), *bad]) == 2

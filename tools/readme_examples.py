@@ -8,7 +8,7 @@ committed results it names.
     python tools/readme_examples.py            # rewrite the examples in README.md
     python tools/readme_examples.py --check    # exit 1 and show a diff if an example differs from what the code gives
 
-Figures that vary from run to run (seconds) are compared as placeholders; every other character must match.
+Figures that vary from run to run (seconds, memory) are compared as placeholders; every other character must match.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ class Command:
 
 SECONDS = r"(?m)(?<=  )\d+\.\d(?= *$)"  # `logdiff run`'s last column
 RAN = r"(?m)^ran: .*$"  # library and engine versions, ISA, switches: the environment's, not the code's
+MEMORY = r"(?m)(?<=^memory: peak RSS ).*$"  # what the process and its children happened to hold
 
 RUN_DTYPES = ("fp32", "bf16", "fp16")
 FIDELITY_STACKS = {"reference": "reference", "baseline": "baseline", "naive": "naive", "hf": "hf (transformers, sdpa)"}
@@ -89,10 +90,10 @@ class FidelityTable:
 
 
 EXAMPLES = {
-    "run": Command(("run",), volatile=(SECONDS, RAN)),
+    "run": Command(("run",), volatile=(SECONDS, RAN, MEMORY)),
     "fidelity": FidelityTable(),
     "check": Command(("check", "--stack", "reference-no-blocks", "--property", "C3", "--workload-examples", "0"),
-                     pick=first_failure_and_summary, volatile=(RAN,)),
+                     pick=first_failure_and_summary, volatile=(RAN, MEMORY)),
     "bisect-tp": Command(("bisect", "--stack", "reference-no-reduce-order", "--model", "qwen3-dense-tiny", "--batch-size",
                           "2", "--prompt-lens", "7,33", "--max-new-tokens", "4", "--trainer-tp", "1", "--rollout-tp", "2"),
                          pick=up_to_table),

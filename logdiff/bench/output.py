@@ -58,9 +58,10 @@ def print_summary(result: dict) -> None:
     sampling = dict(result.get("sampling") or {})
     temperature = sampling.pop("temperature", 0.0)
     sampled = f", temperature {temperature:g}, {Processing(**sampling).describe()}" if temperature else ""
-    print(f"logdiff bench: {result['model']} {result['dtype']}{sharded}{sampled}, {result['repeats']} interleaved repeats, "
-          f"{result['threads']} threads, logdiff GEMM {_tiers(result)}, load average {result['loadavg']['before'][0]:.2f} -> "
-          f"{result['loadavg']['after'][0]:.2f}, {result['wall_seconds']:.0f} s")
+    depth = f" (--layers {result['layers']})" if result.get("layers") else ""
+    print(f"logdiff bench: {result['model']}{depth} {result['dtype']}{sharded}{sampled}, {result['repeats']} interleaved "
+          f"repeats, {result['threads']} threads, logdiff GEMM {_tiers(result)}, load average "
+          f"{result['loadavg']['before'][0]:.2f} -> {result['loadavg']['after'][0]:.2f}, {result['wall_seconds']:.0f} s")
     rows = []
     for case, r in result["cases"].items():
         row = {"case": case, "what": r["describe"]}
@@ -145,9 +146,11 @@ def _print_checks(result: dict) -> None:
 def write_outputs(result: dict, out: Path) -> list[Path]:
     parallel = result.get("parallel") or {}
     sharded = "".join(f"-{k.replace('_', '')}{v}" for k, v in parallel.items() if v > 1)
-    stem = f"{_slug(result['model'])}-{result['dtype']}{sharded}"
+    depth = f"-{result['layers']}l" if result.get("layers") else ""
+    stem = f"{_slug(result['model'])}{depth}-{result['dtype']}{sharded}"
     json_path, badge_path, plot_path = out / f"bench-{stem}.json", out / f"speedup-{stem}.svg", out / f"throughput-{stem}.png"
-    workload = {"model": result["model"], "dtype": result["dtype"], "repeats": result["repeats"], "parallel": parallel,
+    workload = {"model": result["model"], "layers": result.get("layers"), "dtype": result["dtype"],
+                "repeats": result["repeats"], "parallel": parallel,
                 "cases": {c: {k: v for k, v in r.items() if k in ("kind", "describe", "batch", "prompt_len",
                                                                    "new_tokens", "counted_tokens")}
                           for c, r in result["cases"].items()}}

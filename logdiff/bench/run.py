@@ -32,25 +32,25 @@ ALL_CASES = MODEL_CASES + tuple(KERNEL_CASES)
 
 
 def run_bench(names: list[str], cases: list[str], model: str, dtype: str, repeats: int, layout: dict | None = None,
-              profile_dir: Path | None = None, sampling: dict | None = None) -> dict:
+              profile_dir: Path | None = None, sampling: dict | None = None, layers: int | None = None) -> dict:
     """Times every case on every stack; returns the raw measurements, the token checks and the load.
     `layout`: the stacks sharded over torch.distributed ranks (trainer_tp, rollout_tp, ep), or one process.
     `profile_dir`: also profile each model case on each stack once, after its timed repeats (bench.profile).
     `sampling`: Workload fields of every model case's requests (temperature, top_k, top_p, min_p,
-    logprobs_mode); none: greedy."""
+    logprobs_mode); none: greedy. `layers`: the model cut to its first N decoder layers (ModelSpec.layers)."""
     from tqdm import tqdm
 
     started = time.perf_counter()
     load_before = os.getloadavg()
     runs = sum((len(names) if c in CASES else len(KERNEL_STACKS)) * (repeats + 1) for c in cases)
     machine = measure_machine(parse_dtype(dtype))
-    costs = ModelCosts(ModelSpec(model).config(), parse_dtype(dtype).itemsize)
+    costs = ModelCosts(ModelSpec(model, layers=layers).config(), parse_dtype(dtype).itemsize)
     results: dict[str, dict] = {}
     with tqdm(total=runs, desc="logdiff bench", unit="run", file=sys.stderr, dynamic_ncols=True) as bar:
         for case in cases:
             if case in CASES:
                 results[case] = _bench_model_case(CASES[case], names, model, dtype, repeats, bar, layout or {}, profile_dir,
-                                                  sampling or {})
+                                                  {**(sampling or {}), "layers": layers})
                 results[case]["bound"] = bound = case_bound(CASES[case], costs, machine)
                 if bound:
                     results[case]["limit_fraction"] = {name: [v / bound["bound_tokens_per_s"] for v in tps]
@@ -58,7 +58,7 @@ def run_bench(names: list[str], cases: list[str], model: str, dtype: str, repeat
             else:
                 results[case] = _bench_kernel_case(case, dtype, repeats, bar)
     return {
-        "model": model, "dtype": dtype, "stacks": names, "parallel": layout or {}, "sampling": sampling or {},
+        "model": model, "layers": layers, "dtype": dtype, "stacks": names, "parallel": layout or {}, "sampling": sampling or {},
         "cases": results, "repeats": repeats,
         "machine": machine,
         "loadavg": {"before": list(load_before), "after": list(os.getloadavg())},
@@ -67,8 +67,8 @@ def run_bench(names: list[str], cases: list[str], model: str, dtype: str, repeat
 
 
 def _bench_model_case(case, names, model, dtype, repeats, bar, layout: dict, profile_dir: Path | None,
-                      sampling: dict) -> dict:
-    workload = dataclasses.replace(case.workload(model, dtype), **sampling)
+                      fields: dict) -> dict:
+    workload = dataclasses.replace(case.workload(model, dtype), **fields)
     workload.validate()
     built, skipped = {}, {}
     for name in names:

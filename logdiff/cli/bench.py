@@ -6,6 +6,7 @@ from logdiff import report, stacks
 from logdiff.bench.run import ALL_CASES, MODEL_CASES, run_bench
 from logdiff.cli.options import (
     add_engine_args,
+    add_layers_arg,
     add_parallel_args,
     add_processing_args,
     add_threads_arg,
@@ -24,6 +25,7 @@ def add(sub) -> None:
                    help=f"stack to time, repeatable (default: {', '.join(BENCH_STACKS)}); "
                         "the first is the numerator of every ratio")
     p.add_argument("--model", default="qwen3-moe-small", help="named config or checkpoint directory (default qwen3-moe-small)")
+    add_layers_arg(p)
     p.add_argument("--dtype", default="bf16", help="fp32, bf16 or fp16 (default bf16)")
     p.add_argument("--case", action="append", dest="cases", metavar="CASE",
                    help=f"case to time, repeatable: {', '.join(ALL_CASES)}, 'model' (the first {len(MODEL_CASES)}, "
@@ -65,7 +67,7 @@ def cmd_bench(args) -> int:
     for name in names:
         stacks.require(name)
     cases = selected_cases(args.cases)
-    ModelSpec(args.model).config()
+    ModelSpec(args.model, layers=args.layers).config()
     layout = parallel_layout(args)
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                     logprobs_mode=args.logprobs_mode)
@@ -73,7 +75,7 @@ def cmd_bench(args) -> int:
     out = report.output_dir(args.out or report.default_out("bench"), "--out")
 
     result = run_bench(names, cases, args.model, args.dtype, args.repeats, layout, profile_dir=out if args.profile else None,
-                       sampling=sampling)
+                       sampling=sampling, layers=args.layers)
     print_summary(result)
     for path in write_outputs(result, out):
         print(f"wrote {path}")

@@ -19,7 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from logdiff import report, stacks
-from logdiff.cli.options import add_engine_args, add_threads_arg, apply_engine_args, exit_status
+from logdiff.cli.options import add_engine_args, add_layers_arg, add_threads_arg, apply_engine_args, exit_status
 from logdiff.errors import UserError
 from logdiff.weights import ModelSpec
 
@@ -31,6 +31,7 @@ def add(sub) -> None:
     p.add_argument("--stack", required=True, metavar="NAME", help="the stack: built-in name, module:attr or entry point")
     p.add_argument("--model", metavar="NAME|DIR",
                    help="run every workload on this model (named config or checkpoint directory) instead of its own")
+    add_layers_arg(p)
     p.add_argument("--xfails-file", metavar="PATH", help="known gaps: one test id per line, reported as xfail")
     p.add_argument("--property", action="append", dest="properties", metavar="ID",
                    help="run only this property, repeatable, e.g. --property C3 (default: the whole catalogue)")
@@ -72,9 +73,13 @@ def cmd_check(args) -> int:
     if args.workload_examples is not None and args.workload_examples < 0:
         raise UserError(f"--workload-examples {args.workload_examples} is negative; pass 0 or more")
     generated = [f"--workload-seed={args.workload_seed}"]
+    if args.layers is not None and not args.model:
+        raise UserError("--layers cuts the model --model names; pass --model NAME|DIR with it")
     if args.model:
-        ModelSpec(args.model).config()  # an unknown name or a directory without config.json: one line, now
+        ModelSpec(args.model, layers=args.layers).config()  # an unknown model, a bad depth: one line, now
         generated.append(f"--model={args.model}")
+        if args.layers is not None:
+            generated.append(f"--layers={args.layers}")
     if args.workload_examples is not None:
         generated.append(f"--workload-examples={args.workload_examples}")
     if args.workload_shrink_seconds is not None:
@@ -141,7 +146,8 @@ def summary(stack: str, rows: list[dict], entry: dict, results, out: Path) -> st
         lines.append(f"first failure ({failed.failure}): {failed.id}: {message[0]}")
         lines += [f"  {line}" for line in message if line.startswith("reproduce: logdiff check")]
     platform = report.platform_info()
-    lines += [report.kernels_line(stack, entry["describe"]), report.platform_line(platform), report.provenance_line(platform)]
+    lines += [report.kernels_line(stack, entry["describe"]), report.platform_line(platform), report.provenance_line(platform),
+              report.memory_line()]
     lines.append(f"files: {out}/ {' '.join(RESULT_FILES)}")
     return "\n".join(lines)
 

@@ -92,6 +92,7 @@ def add_workload_args(p: argparse.ArgumentParser, stacks_default=RUN_STACKS) -> 
                    help=f"stack to test, repeatable: built-in, module:attr, entry point, or all (every built-in) "
                         f"(default: {', '.join(stacks_default)})")
     p.add_argument("--model", default=d.model, help=f"named config or checkpoint directory (default {d.model})")
+    add_layers_arg(p)
     p.add_argument("--dtype", default=d.dtype, help="fp32, bf16 or fp16 (default fp32)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"requests (default {d.batch_size})")
     p.add_argument("--prompt-lens", type=int_list, default=DEFAULT_PROMPT_LENS,
@@ -145,9 +146,15 @@ def parallel_layout(args) -> dict:
     return {} if set(layout.values()) == {1} else layout
 
 
+def add_layers_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="keep the first N decoder layers of the model (embeddings, final norm, lm_head kept): a "
+                        "quick gate on a real checkpoint (default: all)")
+
+
 def workload_from_args(args) -> Workload:
     w = Workload(
-        model=args.model, dtype=args.dtype, batch_size=args.batch_size, prompt_lens=args.prompt_lens,
+        model=args.model, layers=args.layers, dtype=args.dtype, batch_size=args.batch_size, prompt_lens=args.prompt_lens,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
         block_size=args.block_size, stagger=args.stagger, prefill_chunk=args.prefill_chunk,
         top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, logprobs_mode=args.logprobs_mode,

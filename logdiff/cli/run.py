@@ -20,7 +20,7 @@ from logdiff.cli.options import (
 from logdiff.oracle import Oracle
 from logdiff.report import progress
 from logdiff.runner import run_stack
-from logdiff.stacks import StackCache, parallel_factory
+from logdiff.stacks import parallel_factory
 
 
 def add(sub) -> None:
@@ -45,14 +45,14 @@ def cmd_run(args) -> int:
     print(report.platform_line(platform))
     print(report.provenance_line(platform))
     rows, results, problems = [], [], []
-    rollout_side, trainer_side = StackCache(), StackCache()
     oracle = None
     for i, name in enumerate(names, 1):
         progress(f"[{i}/{len(names)}] {name}: building (one instance for the rollout, one for the trainer)")
+        stack = trainer = None  # the previous stack's instances go before this one's are built
         try:
             factory = parallel_factory(name, layout)
-            args_ = (factory, workload.spec, workload.torch_dtype, workload.max_model_len)
-            stack, trainer = rollout_side.get(*args_), trainer_side.get(*args_)
+            args_ = (workload.spec, workload.torch_dtype, workload.max_model_len)
+            stack, trainer = factory(*args_), factory(*args_)
             start = getattr(stack, "start", None)  # an engine in another process starts before the timed run
             if start:
                 start()
@@ -74,6 +74,7 @@ def cmd_run(args) -> int:
     for result in results:
         if "describe" in result:
             print(report.kernels_line(result["name"], result["describe"]))
+    print(report.memory_line(workload.spec.checkpoint_bytes(workload.torch_dtype), workload.dtype))
     if args.json:
         report.write_json(args.json, report.envelope("run", workload.to_dict(), results))
         print(f"wrote {args.json}")

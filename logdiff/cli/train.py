@@ -7,7 +7,15 @@ from pathlib import Path
 
 from logdiff import report
 from logdiff.api import Unsupported
-from logdiff.cli.options import add_processing_args, add_threads_arg, exit_status, int_list, processing_from_args, stack_names
+from logdiff.cli.options import (
+    add_layers_arg,
+    add_processing_args,
+    add_threads_arg,
+    exit_status,
+    int_list,
+    processing_from_args,
+    stack_names,
+)
 from logdiff.report import progress
 from logdiff.stacks import TRAIN_STACKS
 from logdiff.train import TrainConfig, build_stack, exactly_on_policy, train_stack
@@ -19,6 +27,7 @@ def add(sub) -> None:
     p.add_argument("--stack", action="append", dest="stacks", metavar="NAME",
                    help=f"stack to train, repeatable (default: {', '.join(TRAIN_STACKS)})")
     p.add_argument("--model", default=d.model, help=f"named config or checkpoint directory (default {d.model})")
+    add_layers_arg(p)
     p.add_argument("--dtype", default=d.dtype, help=f"fp32, bf16 or fp16 (default {d.dtype})")
     p.add_argument("--steps", type=int, default=d.steps, help=f"GRPO steps (default {d.steps})")
     p.add_argument("--prompts", type=int, default=d.prompts, help=f"prompts per step (default {d.prompts})")
@@ -39,7 +48,8 @@ def add(sub) -> None:
 
 def config_from_args(args) -> TrainConfig:
     config = TrainConfig(
-        model=args.model, dtype=args.dtype, steps=args.steps, prompts=args.prompts, group_size=args.group_size,
+        model=args.model, layers=args.layers, dtype=args.dtype, steps=args.steps, prompts=args.prompts,
+        group_size=args.group_size,
         prompt_lens=tuple(args.prompt_lens), max_new_tokens=args.max_new_tokens, learning_rate=args.learning_rate,
         clip=args.clip, seed=args.seed, processing=processing_from_args(args),
     )
@@ -48,7 +58,7 @@ def config_from_args(args) -> TrainConfig:
 
 
 def output_paths(out: Path, config: TrainConfig) -> tuple[Path, Path]:
-    stem = f"train-{Path(config.model).name}-{config.dtype}"
+    stem = f"train-{config.spec.config().name}-{config.dtype}"
     return out / f"{stem}.json", out / f"{stem}.png"
 
 

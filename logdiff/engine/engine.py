@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from torch import nn
 
 from logdiff.api import DEFAULT_PAGE_SIZE, Capture, Processing, Request, RolloutOutput, locate
 from logdiff.batch import SeqBatch, check_score_from
@@ -162,14 +163,17 @@ class RolloutEngine:
 def inference_copy(model: Qwen3ForCausalLM, ops: KernelSet) -> Qwen3ForCausalLM:
     """The model with its GEMM weights stored as the kernel set's GEMMs read them (`ops.inference_weight`:
     a dtype and a layout, the same values). A model that already is an inference copy is returned as it
-    is: engines share it.
+    is: engines share it. The twin's modules are its own; a weight the kernel set reads as stored (norms,
+    the table, GEMM weights on amx-bf16) is the model's own tensor, not a copy: the engine only reads it, and
+    a trainer that updates weights in place gives the engine its own copy first (`weights.own_weights`).
     """
     if getattr(model, "is_inference_copy", False):
         return model
-    twin = copy.deepcopy(model)
-    for name, param in twin.named_parameters():
-        if param.ndim >= 2 and name != "model.embed_tokens.weight":  # every matrix but the table is a GEMM weight
-            param.data = ops.inference_weight(param.data)
+    memo = {}
+    for name, param in model.named_parameters():
+        gemm_weight = param.ndim >= 2 and name != "model.embed_tokens.weight"  # every matrix but the table
+        memo[id(param)] = nn.Parameter(ops.inference_weight(param.data) if gemm_weight else param.data, requires_grad=False)
+    twin = copy.deepcopy(model, memo)
     # A tied lm_head reads the table as a GEMM weight: its own copy. (A tensor-parallel rank's lm_head holds
     # its vocabulary slice, already its own tensor, converted above: re-tying it would score all of V.)
     if twin.lm_head.weight is twin.model.embed_tokens.weight:

@@ -1,0 +1,128 @@
+"""logdiff at real scale: `logdiff run --stack reference` on real Qwen3 dimensions (random weights: nothing is
+downloaded), each run in its own process, tabled with what it cost and what it found.
+
+    python tools/measure_scale.py OUT_DIR [--quick]
+
+Rows: Qwen3-0.6B at full depth and Qwen3-30B-A3B's dimensions cut to 2 and 4 layers, in bf16 and fp32, on
+the default workload and on one 2048-token prompt (plus a 2048-token response on Qwen3-0.6B in bf16, the
+seed's lengths). Columns: wall time, peak RSS, the checkpoint's bytes, peak / (2 x checkpoint + 1.5 GB) (the
+memory target), verdict, bitwise-equal tokens, each side's largest distance from the fp64 oracle. Writes
+scale.md, scale.json and scale.png (peak RSS against the checkpoint's size) to OUT_DIR, each atomically.
+`--quick` runs the tiny model only (a check of this script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from logdiff.report import write_atomic, write_text  # noqa: E402
+from logdiff.weights import ModelSpec, parse_dtype  # noqa: E402
+
+WORKLOADS = {
+    "default": [],
+    "2048-token prompt": ["--batch-size", "1", "--prompt-lens", "2048", "--max-new-tokens", "8"],
+    "2048 + 2048 tokens": ["--batch-size", "1", "--prompt-lens", "2048", "--max-new-tokens", "2048"],
+}
+MODELS = [("qwen3-0.6b", None), ("qwen3-30b-a3b", 2), ("qwen3-30b-a3b", 4)]
+ROWS = [(model, layers, dtype, workload) for model, layers in MODELS for dtype in ("bf16", "fp32")
+        for workload in ("default", "2048-token prompt")] + [("qwen3-0.6b", None, "bf16", "2048 + 2048 tokens")]
+QUICK_ROWS = [("qwen3-moe-tiny", None, "bf16", "default"), ("qwen3-moe-tiny", 1, "fp32", "2048-token prompt")]
+GB = 1e9
+SLACK_BYTES = 1.5 * GB  # the memory target: peak RSS <= 2 x checkpoint + 1.5 GB
+
+
+def measure(model: str, layers: int | None, dtype: str, workload: str) -> dict:
+    depth = ["--layers", str(layers)] if layers else []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "run.json"
+        argv = [sys.executable, "-m", "logdiff", "run", "--stack", "reference", "--model", model, *depth, "--dtype", dtype,
+                *WORKLOADS[workload], "--threads", str(os.cpu_count()), "--json", str(path)]
+        start = time.monotonic()
+        done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp)
+        seconds = time.monotonic() - start
+        if done.returncode not in (0, 1):
+            raise SystemExit(f"{' '.join(argv[2:])} exited {done.returncode}:\n{done.stderr[-3000:]}")
+        result = json.loads(path.read_text())
+    stack = result["stacks"][0]
+    checkpoint = ModelSpec(model, layers=layers).checkpoint_bytes(parse_dtype(dtype))
+    peak = result["memory"]["peak_rss_bytes"]
+    return {
+        "model": model, "layers": layers, "dtype": dtype, "workload": workload, "tokens": stack["tokens"],
+        "wall_seconds": round(seconds, 1), "peak_rss_bytes": peak, "checkpoint_bytes": checkpoint,
+        "of_memory_target": round(peak / (2 * checkpoint + SLACK_BYTES), 3),
+        "verdict": stack["verdict"], "bitwise_equal_tokens": stack["bitwise_equal_tokens"],
+        "fp64_max_abs_error": {f["side"]: f["max_abs_error"] for f in stack["fidelity"]},
+        "fp64_holds": all(f["holds"] for f in stack["fidelity"]),
+        "platform": {k: result["platform"][k] for k in ("machine", "processor", "cpu_capability", "threads", "torch")},
+    }
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| model | dtype | workload | wall time | peak RSS | checkpoint | of target | verdict | bitwise equal "
+            "| fp64 max (rollout / trainer) |\n|---|---|---|---:|---:|---:|---:|---|---:|---:|")
+    lines = [head]
+    for r in rows:
+        depth = f" --layers {r['layers']}" if r["layers"] else ""
+        err = r["fp64_max_abs_error"]
+        lines.append(f"| {r['model']}{depth} | {r['dtype']} | {r['workload']} | {r['wall_seconds']:.0f} s "
+                     f"| {r['peak_rss_bytes'] / GB:.2f} GB | {r['checkpoint_bytes'] / GB:.2f} GB | {r['of_memory_target']:.2f} "
+                     f"| {r['verdict']} | {r['bitwise_equal_tokens']}/{r['tokens']} "
+                     f"| {err.get('rollout', float('nan')):.3g} / {err.get('trainer', float('nan')):.3g} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for dtype, marker in (("bf16", "o"), ("fp32", "s")):
+        mine = [r for r in rows if r["dtype"] == dtype]
+        ax.scatter([r["checkpoint_bytes"] / GB for r in mine], [r["peak_rss_bytes"] / GB for r in mine],
+                   marker=marker, label=f"logdiff run --stack reference, {dtype}")
+    top = max(r["checkpoint_bytes"] for r in rows) / GB * 1.1
+    ax.plot([0, top], [SLACK_BYTES / GB, 2 * top + SLACK_BYTES / GB], "k--", label="target: 2 x checkpoint + 1.5 GB")
+    ax.plot([0, top], [0, top], ":", color="grey", label="the checkpoint itself")
+    ax.set_xlabel("checkpoint (GB)"), ax.set_ylabel("peak RSS (GB)")
+    ax.set_title("Peak memory of a run against the checkpoint's size")
+    ax.legend(fontsize=8), ax.grid(alpha=0.3)
+    fig.tight_layout()
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--quick", action="store_true", help="the tiny model only: a check of this script")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    plan = QUICK_ROWS if args.quick else ROWS
+    rows = []
+    for i, row in enumerate(plan, 1):
+        print(f"[{i}/{len(plan)}] {row}", file=sys.stderr, flush=True)
+        rows.append(measure(*row))
+        print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+    write_text(args.out / "scale.json", json.dumps(rows, indent=1) + "\n")
+    p = rows[0]["platform"]
+    header = (f"Measured on {p['machine']} ({p['processor']}, {p['cpu_capability']}, {p['threads']} threads, torch {p['torch']}) "
+              f"by `python tools/measure_scale.py`; \"of target\" is peak RSS / (2 x checkpoint + 1.5 GB).\n\n")
+    write_text(args.out / "scale.md", header + table(rows))
+    plot(rows, args.out / "scale.png")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
