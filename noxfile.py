@@ -97,6 +97,28 @@ def real_dims(session):
 
 
 @nox.session(python=PYTHON)
+def device(session):
+    """logdiff on whatever accelerator torch finds (`--device`, logdiff.devices): the catalogue for each built-in
+    stack built on torch, then a short bench, into results/<machine>/device/. A kernel set without order-fixed
+    kernels for the device declines it (the reference's GEMM is a CPU extension: exit 2, nothing passed). On a
+    machine without one it writes devices.txt saying so and runs nothing."""
+    install(session)
+    out = Path("results") / platform.node() / "device"
+    out.mkdir(parents=True, exist_ok=True)
+    found = session.run("python", "-c", "from logdiff import devices; print(*devices.present())", silent=True).split()
+    seen = f"torch sees: {', '.join(found) or 'no accelerator (cuda, npu, xpu); --device cpu only'}\n"
+    (out / "devices.txt").write_text(seen)
+    session.log(seen.strip())
+    if not found:
+        return
+    for stack in ("reference", "baseline", "naive", "hf"):  # exit 1: a property fails; 2: the stack declined the device
+        session.run("logdiff", "check", "--stack", stack, "--device", found[0], "--out", str(out / stack),
+                    success_codes=[0, 1, 2])
+    stdout_to(session, out / "bench.txt", "logdiff", "bench", "--device", found[0], "--repeats", "1", "--out", str(out),
+              success_codes=(0, 1, 2))
+
+
+@nox.session(python=PYTHON)
 def train(session):
     """Why logdiff = 0 matters: `logdiff train`, a 200-step GRPO loop on the tiny Qwen3-MoE for reference,
     baseline and reference-no-precision, in bf16 and fp32; per-step mismatch figures, importance-ratio

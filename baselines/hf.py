@@ -78,7 +78,7 @@ class HFStack(Stack):
                 else:
                     rows = rows / scoring_temperature(torch.tensor(temp))
                 target = torch.tensor(s[first:])
-                out.append(F.log_softmax(rows, dim=-1).gather(1, target[:, None]).squeeze(1))
+                out.append(F.log_softmax(rows, dim=-1).gather(1, target[:, None]).squeeze(1).cpu())
         scored = [torch.arange(first - 1, len(s) - 1) for s, first in zip(sequences, score_from)]
         capture_logprobs(capture, list(range(len(sequences))), scored, out)
         return out
@@ -124,7 +124,7 @@ class HFStack(Stack):
         logp = F.log_softmax(logits, dim=-1).gather(2, tokens[..., None]).squeeze(2)
         steps = torch.arange(tokens.shape[1])
         capture_logprobs(capture, indices, [len(r.prompt) - 1 + steps for r in requests], list(logp))
-        return [RolloutOutput(t.tolist(), lp.clone()) for t, lp in zip(tokens, logp)]
+        return [RolloutOutput(t.tolist(), lp.cpu().clone()) for t, lp in zip(tokens, logp)]
 
 
 def _warpers(temperature: float, processing: Processing):

@@ -4,6 +4,7 @@ result files of `logdiff check` (check.json, check.md, conformance.svg, logdiff.
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,6 +87,7 @@ class Collector:
     def pytest_collection_finish(self, session):
 
         self.total = len(session.items)
+        self.started = time.monotonic()
         self.header = pytest_report_header(session.config)
         self.stack_info = stack_info(session.config)
         for line in self.header:
@@ -125,8 +127,15 @@ class Collector:
             result.engine_starts = remote.START_SECONDS[self._starts_before:]
             starts = result.engine_starts
             started = f", {len(starts)} engine start{'s' * (len(starts) > 1)} {sum(starts):.1f}s" if starts else ""
-            progress(f"[{len(self.by_id):>3}/{self.total}] {result.property:<4} {name}: {result.outcome} "
-                     f"({result.seconds:.1f}s{started})")
+            done, elapsed = len(self.by_id), time.monotonic() - self.started
+            left = elapsed / done * (self.total - done)  # tests differ a lot in cost: an estimate, said as one
+            progress(f"[{done:>3}/{self.total}] {result.property:<4} {name}: {result.outcome} "
+                     f"({result.seconds:.1f}s{started}; {_clock(elapsed)} elapsed, ~{_clock(left)} left)")
+
+
+def _clock(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
 
 
 def _outcome(report) -> str | None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from logdiff import report, stacks
+from logdiff import devices, report, stacks
 from logdiff.api import ENTRY_POINT_GROUP, Stack, Unsupported
 from logdiff.errors import UserError
 from logdiff.stacks import StackCache
@@ -30,6 +30,7 @@ DEFAULT_EXAMPLES = 4
 STACK_INFO = pytest.StashKey[dict]()
 _BUILT = pytest.StashKey[dict]()
 _XFAILS = pytest.StashKey[dict]()
+_DEVICE = pytest.StashKey[object]()  # the open `devices.using` of --device
 _WORKLOADS = pytest.StashKey[list]()
 _PARALLEL = pytest.StashKey[tuple]()  # (options for run and bisect, options for bisect only) of a sharded test
 
@@ -50,6 +51,11 @@ def pytest_addoption(parser):
         "--layers", type=int, default=None, metavar="N",
         help="with --model: keep its first N decoder layers (embeddings, final norm and lm_head kept), the quick "
              "gate on a real checkpoint (default: all)",
+    )
+    group.addoption(
+        "--device", default="cpu", metavar="NAME",
+        help="where the stacks built on torch and the fp64 oracle compute: cpu, cuda, npu, xpu (default cpu); a "
+             "kernel set without order-fixed kernels for it declines every property (skipped, with the reason)",
     )
     group.addoption(
         "--workload-seed", type=int, default=0, metavar="S",
@@ -85,11 +91,22 @@ def pytest_configure(config):
             ModelSpec(model, layers=layers).config()
         except UserError as e:
             raise pytest.UsageError(str(e)) from None
+    try:
+        device = devices.resolve(config.getoption("--device"))
+    except UserError as e:
+        raise pytest.UsageError(str(e)) from None
+    config.stash[_DEVICE] = devices.using(device)
+    config.stash[_DEVICE].__enter__()
     path = config.getoption("--xfails-file")
     config.stash[_XFAILS] = read_xfails(Path(path)) if path else {}
     config.stash[_BUILT] = {}
     config.addinivalue_line("markers", "own_weights(what): a conformance test whose workloads build their own weights; "
                                        "skipped under --model")
+
+
+def pytest_unconfigure(config):
+    if _DEVICE in config.stash:
+        config.stash[_DEVICE].__exit__(None, None, None)
 
 
 def read_xfails(path: Path) -> dict[str, int]:

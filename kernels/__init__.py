@@ -38,4 +38,5 @@ def reference_kernels(align: Alignments = Alignments(), name: str = "reference")
         sample=sample,
         row_linear=fixed_order_row_linear if align.reduce_order else None,
         vocab_logprobs=fixed_order_token_logprobs if align.reduce_order else None,
+        devices=("cpu",),  # logdiff's order-fixed GEMM is a CPU extension (kernels/csrc)
     )

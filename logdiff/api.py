@@ -134,7 +134,7 @@ def processing_kwargs(stack: Stack, method: Callable, processing: Sequence[Proce
 
 
 class Stack(ABC):
-    """What a candidate implements. Both paths return fp32 log-probs, one tensor per sequence.
+    """What a candidate implements. Both paths return fp32 log-probs on the CPU, one tensor per sequence.
 
     Capabilities are attributes, read by the suite before it asks for anything:
       device            where the stack computes ("cpu", "cuda:0", "npu:0"), for report headers

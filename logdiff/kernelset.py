@@ -31,6 +31,8 @@ class KernelSet:
     sample(logits [S, V], temperature [S], seeds [S], token_index [S]) -> tokens [S]
     compute_dtype: the dtype of the activations (the embedding rows are cast to it; the ops take weights as
         stored); None: the weights' own. The fp64 oracle's is float64 on weights as the stack stores them.
+    devices: the kinds of torch device (logdiff.devices.KINDS) the set has order-fixed kernels for; a stack
+        asked to run elsewhere declines. None: any device torch runs its ops on (sets that fix no order).
 
     Parallel execution (logdiff.parallel): `tp` and `ep` are the collectives over the ranks that share a
     tensor-parallel layer and the expert layers (`SINGLE_PROCESS`: one process, every collective the
@@ -60,6 +62,7 @@ class KernelSet:
     tp: Comm = SINGLE_PROCESS
     ep: Comm = SINGLE_PROCESS
     compute_dtype: torch.dtype | None = None
+    devices: tuple[str, ...] | None = None
 
     def row_parallel(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The GEMM of a row-parallel layer (o_proj, down_proj): K is sharded over `tp`, the result whole."""

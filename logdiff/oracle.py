@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from logdiff import devices
 from logdiff.api import Processing, Unsupported
 from logdiff.batch import SeqBatch
 from logdiff.errors import UserError
@@ -71,6 +72,7 @@ def fidelity_bounds(dtype: torch.dtype) -> tuple[float, float, float]:
 # Rows of a weight upcast to fp64 at once (16 MiB at hidden 2048... 128 MiB at 8192 rows x 2048 x 8 bytes),
 # and positions whose fp64 logits exist at once ([128, 151936] fp64: 156 MB).
 WEIGHT_ROWS = 8192
+QUERY_ROWS = 128  # queries whose fp64 attention scores are held at once
 LOGIT_POSITIONS = 128
 
 
@@ -93,19 +95,20 @@ def _rope(x, cos, sin):
 
 
 def _causal_attention(q, k, v, seqs: SeqBatch):
-    """Each sequence attends to its own keys up to its position: one materialised softmax per sequence."""
+    """Each sequence attends to its own keys up to its position: a materialised softmax per QUERY_ROWS queries,
+    so that a long sequence's fp64 scores are never held whole (heads x L x L x 8 bytes: 1 GB at 32 heads, 2048)."""
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     out = torch.empty_like(q)
     for s in range(seqs.num_seqs):
-        rows = slice(int(seqs.offsets[s]), int(seqs.offsets[s] + seqs.lengths[s]))
-        qs = q[rows].transpose(0, 1)  # [Hq, L, d]
-        ks = k[rows].transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
-        vs = v[rows].transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
-        scores = qs @ ks.transpose(1, 2) * head_dim**-0.5
-        length = scores.shape[-1]
-        future = torch.ones(length, length, dtype=torch.bool).triu(1)
-        probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
-        out[rows] = (probs @ vs).transpose(0, 1)
+        start, length = int(seqs.offsets[s]), int(seqs.lengths[s])
+        ks = k[start:start + length].transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)  # [Hq, L, d]
+        vs = v[start:start + length].transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
+        for first in range(0, length, QUERY_ROWS):
+            rows = slice(start + first, start + min(first + QUERY_ROWS, length))
+            scores = q[rows].transpose(0, 1) @ ks.transpose(1, 2) * head_dim**-0.5  # [Hq, rows, L]
+            future = torch.arange(length) > torch.arange(first, first + scores.shape[1])[:, None]
+            probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+            out[rows] = (probs @ vs).transpose(0, 1)
     return out
 
 
@@ -165,8 +168,11 @@ class Oracle:
     """Scores sequences in float64 with the weights `spec.build(dtype)` gives a stack in `dtype`."""
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype):
+        # On the run's device (`--device`) where it computes in fp64, else on the CPU.
+        self.device = devices.current() if devices.has_fp64(devices.current()) else torch.device("cpu")
         try:
-            model = spec.build(dtype)
+            with devices.using(self.device):
+                model = spec.build(dtype)
         except (UserError, OSError, KeyError, ValueError) as e:  # a checkpoint the model definition cannot read
             raise Unsupported(f"the fp64 oracle cannot load model {spec.name!r} ({e})") from None
         self.dtype = dtype
@@ -207,9 +213,10 @@ class Oracle:
         logits (tokens outside the kept set at -inf), raw at temperature 1 untruncated."""
         processing = processing or [Processing()] * len(sequences)
         out = []
-        for seq, first, temp, proc in zip(sequences, score_from, temperatures, processing):
-            logits = self._logits(self._forward(seq, first)[0])
-            out.append(_in_mode(logits, temp, proc, _kept(logits, temp, proc)))
+        with devices.using(self.device):
+            for seq, first, temp, proc in zip(sequences, score_from, temperatures, processing):
+                logits = self._logits(self._forward(seq, first)[0])
+                out.append(_in_mode(logits, temp, proc, _kept(logits, temp, proc)).cpu())
         return out
 
     def score(self, sequences: Sequence[Sequence[int]], score_from: Sequence[int],
@@ -217,7 +224,6 @@ class Oracle:
         """Each scored token's fp64 log-prob in its sequence's mode (see `readings`)."""
         return self.readings(sequences, score_from, temperatures, {"": processing})[""]
 
-    @torch.no_grad()
     def readings(self, sequences: Sequence[Sequence[int]], score_from: Sequence[int], temperatures: Sequence[float],
                  readings: dict[str, Sequence[Processing] | None]) -> dict[str, OracleScores]:
         """The same sequences scored under several processings (name -> one Processing per sequence, None:
@@ -226,7 +232,13 @@ class Oracle:
         A token the oracle's truncation drops by less than the dtype's max bound (its tempered log-prob that
         close to the least likely kept token's) sits on the boundary, where a stack's rounding may keep it:
         it is scored as kept (the kept set plus that token) and not counted as dropped, as greedy tokens are
-        judged only where the top-2 margin is clear."""
+        judged only where the top-2 margin is clear. Results are on the CPU."""
+        with devices.using(self.device), torch.no_grad():
+            scores = self._readings(sequences, score_from, temperatures, readings)
+        return {name: OracleScores(*([t.cpu() for t in getattr(s, f.name)] for f in dataclasses.fields(s)))
+                for name, s in scores.items()}
+
+    def _readings(self, sequences, score_from, temperatures, readings) -> dict[str, OracleScores]:
         from tqdm import tqdm
 
         boundary = fidelity_bounds(self.dtype)[2]

@@ -39,6 +39,7 @@ def platform_info() -> dict:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "target": accelerator.type if accelerator else "cpu",
+        "device": str(torch.get_default_device()),  # where the stacks built on torch computed (--device)
         "gemm_tiers": gemm.tiers(),
         "libraries": native_libraries(),
         "isa": isa_flags(),
@@ -110,7 +111,9 @@ def switches() -> dict:
 def platform_line(p: dict) -> str:
     """The platform of a result in one line, the GEMM tiers that ran included (their bits differ)."""
     tiers = ", ".join(f"{dtypes} {tier}" for dtypes, tier in p["gemm_tiers"].items())
-    return f"platform: {p['machine']}, {p['processor']} ({p['cpu_capability']}), {threads(p['threads'])}, logdiff GEMM {tiers}"
+    device = f", device {p['device']}" if p.get("device", "cpu") != "cpu" else ""
+    return (f"platform: {p['machine']}, {p['processor']} ({p['cpu_capability']}), {threads(p['threads'])}{device}, "
+            f"logdiff GEMM {tiers}")
 
 
 def provenance_line(p: dict) -> str:

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from logdiff import devices
 from logdiff.api import ENTRY_POINT_GROUP, Capture, EngineOptions, Stack, StackFactory, Unsupported
 from logdiff.engine.engine import RolloutEngine, inference_copy, refresh_inference_copy
 from logdiff.errors import UserError
@@ -37,6 +38,10 @@ class KernelStack(Stack):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, max_model_len: int, kernels: KernelSet):
         self.name = kernels.name
         self.ops = kernels
+        device = devices.current()
+        if kernels.devices is not None and device.type not in kernels.devices:
+            raise Unsupported(f"kernel set {kernels.name} has order-fixed kernels for {', '.join(kernels.devices)} only, "
+                              f"not {device.type}: no verdict it has not earned")
         self.spec, self.max_model_len = spec, max_model_len
         self.model = spec.build(dtype)
         self.device = str(next(self.model.parameters()).device)
@@ -51,13 +56,17 @@ class KernelStack(Stack):
         return RolloutEngine(self.engine_model, self.ops, options.page_size, options.prefill_chunk, options.shuffle_pages)
 
     def rollout(self, requests, options=EngineOptions(), capture: Capture = None):
-        return self.engine(options).generate(list(requests), capture)
+        outputs = self.engine(options).generate(list(requests), capture)
+        for out in outputs:
+            out.logprobs = out.logprobs.cpu()
+        return outputs
 
     def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, capture: Capture = None, processing=None):
-        return self.trainer.logprobs(sequences, score_from, temperatures, grad=grad, capture=capture, processing=processing)
+        return [t.cpu() for t in self.trainer.logprobs(sequences, score_from, temperatures, grad=grad, capture=capture,
+                                                       processing=processing)]
 
     def prompt_logprobs(self, sequences, score_from, temperatures, options=EngineOptions(), processing=None):
-        return self.engine(options).prompt_logprobs(sequences, score_from, temperatures, processing)
+        return [t.cpu() for t in self.engine(options).prompt_logprobs(sequences, score_from, temperatures, processing)]
 
     def describe(self) -> dict:
         return {**super().describe(), "kernels": self.ops.provenance()}
@@ -79,15 +88,19 @@ class KernelStack(Stack):
 
     @property
     def parallel_degrees(self):
-        """Built-in kernel sets only: each rank rebuilds the kernel set by name in its own process."""
         from logdiff.parallel import EP_DEGREES, TP_DEGREES
 
-        return {"tp": TP_DEGREES, "ep": EP_DEGREES} if self.ops.name in builtin_kernel_sets() else Stack.parallel_degrees
+        return {"tp": TP_DEGREES, "ep": EP_DEGREES} if self._shardable else Stack.parallel_degrees
+
+    @property
+    def _shardable(self) -> bool:
+        """Built-in kernel sets on the CPU: each rank rebuilds the kernel set by name in its own process (gloo)."""
+        return self.ops.name in builtin_kernel_sets() and self.device == "cpu"
 
     def parallel(self, trainer_tp=1, rollout_tp=1, ep=1):
         from logdiff.parallel import ShardedStack
 
-        if self.ops.name not in builtin_kernel_sets():
+        if not self._shardable:
             return super().parallel(trainer_tp, rollout_tp, ep)
         return ShardedStack(self, trainer_tp, rollout_tp, ep)
 

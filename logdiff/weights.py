@@ -59,14 +59,16 @@ class ModelSpec:
 
     def build(self, dtype: torch.dtype) -> Qwen3ForCausalLM:
         """The model in `dtype`, weights identical for every stack that builds the same spec. Parameters are
-        made in `dtype` one tensor at a time (never a whole-model copy in another dtype); a checkpoint's
-        tensors stored in `dtype` stay memory-mapped (copy-on-write: nothing reaches the file).
+        made in `dtype` one tensor at a time (never a whole-model copy in another dtype), on torch's default
+        device (`--device`); a checkpoint's tensors stored in `dtype` stay memory-mapped on the CPU (copy-on-write:
+        nothing reaches the file).
 
         Builds of one spec and dtype in a process share the weight tensors while any of them lives: a run's
         rollout and trainer instances and the oracle hold one copy, not three. Isolation between instances
         is of state, not of weight bytes: the weights are read-only to whoever did not make them their own,
         and a trainer that updates them in place first does (`own_weights`)."""
-        key = (self, dtype)
+        device = torch.get_default_device()  # logdiff.devices: --device
+        key = (self, dtype, device)
         shared = {name: ref() for name, ref in _built.get(key, {}).items()}
         if not shared or any(t is None for t in shared.values()):
             config = self.config()
@@ -76,7 +78,7 @@ class ModelSpec:
                 tensors = _checkpoint_tensors(Path(self.name), config, expected)
             else:
                 tensors = random_tensors(config, self.seed)
-            shared = {name: tensor.to(dtype) for name, tensor in tensors}
+            shared = {name: tensor.to(device=device, dtype=dtype) for name, tensor in tensors}
         with torch.device("meta"):
             model = Qwen3ForCausalLM(self.config())
         load_state(model, {name: tensor.detach() for name, tensor in shared.items()})  # own Parameters, shared bytes
@@ -119,7 +121,7 @@ class ModelSpec:
         return path
 
 
-# (spec, dtype) -> weakly held weight tensors of the last build (ModelSpec.build shares them).
+# (spec, dtype, device) -> weakly held weight tensors of the last build (ModelSpec.build shares them).
 _built: dict[tuple, dict[str, weakref.ref]] = {}
 
 
@@ -141,11 +143,11 @@ def random_tensors(config: ModelConfig, seed: int):
         shapes = {k: v.shape for k, v in Qwen3ForCausalLM(config).state_dict().items()}
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):
-            tensor = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+            tensor = 1.0 + 0.1 * torch.randn(shape, generator=gen, device="cpu")
         elif name == "model.embed_tokens.weight" and not config.tie_word_embeddings:
-            tensor = torch.randn(shape, generator=gen)
+            tensor = torch.randn(shape, generator=gen, device="cpu")
         else:
-            tensor = torch.randn(shape, generator=gen).div_(math.sqrt(shape[-1]))
+            tensor = torch.randn(shape, generator=gen, device="cpu").div_(math.sqrt(shape[-1]))
         if name.endswith("mlp.gate.weight"):
             for original, copy in config.tied_router_experts:
                 tensor[copy] = tensor[original]
@@ -244,7 +246,8 @@ def _mapped_tensors(file: Path):
                 raise ValueError("data offsets do not match the shape")
         except (KeyError, TypeError, ValueError) as e:
             raise UserError(f"{file}: tensor {name} has a bad header entry ({e}); re-download or re-save it") from None
-        flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + begin) if count else torch.empty(0, dtype=dtype)
+        flat = (torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + begin) if count
+                else torch.empty(0, dtype=dtype, device="cpu"))
         yield name, flat.view(entry["shape"])
 
 

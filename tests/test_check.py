@@ -39,6 +39,7 @@ def test_failing_property_exits_1_with_table_and_divergence(failing):
     tests = len(C3_CASES) + 2  # the fixed workloads, the generated edges and the generated regimes
     assert f"[{tests - 1:>3}/{tests}] C3   test_c3_rollout_matches_trainer_generated:" in result.stderr  # progress
     assert f"[{tests:>3}/{tests}] C3   test_c3_rollout_matches_trainer_generated_regimes:" in result.stderr
+    assert re.search(r"\[  1/\d+\] C3 .*; \d+s elapsed, ~\S+ left\)", result.stderr)  # and an estimate of the rest
 
 
 def test_result_files_record_the_verdicts(failing):

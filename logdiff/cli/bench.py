@@ -5,6 +5,7 @@ from __future__ import annotations
 from logdiff import report, stacks
 from logdiff.bench.run import ALL_CASES, MODEL_CASES, run_bench
 from logdiff.cli.options import (
+    add_device_arg,
     add_engine_args,
     add_layers_arg,
     add_parallel_args,
@@ -32,6 +33,7 @@ def add(sub) -> None:
                         "the default) or 'all'; the kernel cases run at qwen3-30b-a3b shapes whatever --model says")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per stack and case (default 5)")
     add_threads_arg(p)
+    add_device_arg(p)
     p.add_argument("--profile", action="store_true",
                    help="also profile each case on each stack once, untimed (torch.profiler): profile-<case>-<stack>.txt")
     p.add_argument("--out", metavar="DIR", help="folder for JSON, badge and plot (default ./logdiff-out/bench)")

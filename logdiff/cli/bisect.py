@@ -20,6 +20,7 @@ from logdiff.bisect.locate import (
     bisect_sides,
 )
 from logdiff.cli.options import (
+    add_device_arg,
     add_parallel_args,
     add_threads_arg,
     add_workload_args,
@@ -44,6 +45,7 @@ def add(sub) -> None:
     add_workload_args(p, stacks_default=("baseline",))
     add_parallel_args(p)
     add_threads_arg(p)
+    add_device_arg(p)
     p.add_argument("--path", choices=(ROLLOUT, TRAINER),
                    help="compare this path at its degree (--rollout-tp or --trainer-tp, default --tp; --ep) with itself "
                         "on one process, as C8 does (default: the rollout against the trainer)")

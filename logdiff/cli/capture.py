@@ -7,7 +7,7 @@ from logdiff import report, stacks
 from logdiff.api import TrainerInputs, Unsupported
 from logdiff.bisect.bundle import ROWS, WorkloadRecorder, check_target, manifest, write_bundle
 from logdiff.bisect.locate import ROLLOUT, TRAINER
-from logdiff.cli.options import add_threads_arg, add_workload_args, stack_names, workload_from_args
+from logdiff.cli.options import add_device_arg, add_threads_arg, add_workload_args, stack_names, workload_from_args
 from logdiff.errors import UserError
 from logdiff.report import progress
 from logdiff.runner import engine_options
@@ -20,6 +20,7 @@ def add(sub) -> None:
                                        "`logdiff bisect --bundle A --bundle B` (docs/bundle-format.md)")
     add_workload_args(p, stacks_default=("reference",))
     add_threads_arg(p)
+    add_device_arg(p)
     p.add_argument("--side", choices=(ROLLOUT, TRAINER, BOTH), default=BOTH,
                    help="which path to capture; the trainer scores the rollout's tokens either way (default both)")
     p.add_argument("--out", metavar="DIR",

@@ -19,7 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from logdiff import report, stacks
-from logdiff.cli.options import add_engine_args, add_layers_arg, add_threads_arg, apply_engine_args, exit_status
+from logdiff.cli.options import add_device_arg, add_engine_args, add_layers_arg, add_threads_arg, apply_engine_args, exit_status
 from logdiff.errors import UserError
 from logdiff.weights import ModelSpec
 
@@ -49,6 +49,7 @@ def add(sub) -> None:
     p.add_argument("--junit-xml", metavar="PATH",
                    help="also write the tests' outcomes as JUnit XML here (pytest's --junitxml), for a CI's test report")
     add_threads_arg(p)
+    add_device_arg(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_check)
 
@@ -72,7 +73,7 @@ def cmd_check(args) -> int:
         raise UserError(f"--xfails-file {args.xfails_file} is not a file; pass a text file with one test id per line")
     if args.workload_examples is not None and args.workload_examples < 0:
         raise UserError(f"--workload-examples {args.workload_examples} is negative; pass 0 or more")
-    generated = [f"--workload-seed={args.workload_seed}"]
+    generated = [f"--workload-seed={args.workload_seed}", f"--device={args.device}"]
     if args.layers is not None and not args.model:
         raise UserError("--layers cuts the model --model names; pass --model NAME|DIR with it")
     if args.model:

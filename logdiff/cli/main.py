@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from logdiff import devices
 from logdiff.cli import analyze, bench, bisect, capture, check, list_stacks, run, train
 from logdiff.cli.options import EXIT_CODES, Parser, threads_from_args
 from logdiff.errors import UserError
@@ -33,7 +34,8 @@ def main(argv=None) -> int:
         before = torch.get_num_threads()
         torch.set_num_threads(threads_from_args(args))
         try:
-            return args.func(args)
+            with devices.using(devices.resolve(getattr(args, "device", "cpu"))):
+                return args.func(args)
         finally:
             torch.set_num_threads(before)  # in-process callers (tests) keep their own setting
     except UserError as e:

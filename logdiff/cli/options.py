@@ -35,6 +35,13 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, metavar="N", help=THREADS_HELP)
 
 
+def add_device_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", metavar="NAME",
+                   help="where the stacks built on torch and the fp64 oracle compute: cpu, cuda, npu or xpu, with an "
+                        "index if several (as torch sees them; default cpu). A kernel set without order-fixed kernels "
+                        "for that device declines it")
+
+
 def threads_from_args(args) -> int:
     """--threads, else $OMP_NUM_THREADS (its first level, as in "4,2"), else 1."""
     if args.threads is not None:

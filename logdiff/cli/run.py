@@ -9,6 +9,7 @@ import torch
 from logdiff import report
 from logdiff.api import Unsupported
 from logdiff.cli.options import (
+    add_device_arg,
     add_parallel_args,
     add_threads_arg,
     add_workload_args,
@@ -28,6 +29,7 @@ def add(sub) -> None:
     add_workload_args(p)
     add_parallel_args(p)
     add_threads_arg(p)
+    add_device_arg(p)
     p.add_argument("--json", metavar="PATH", help="write the JSON result envelope here")
     p.add_argument("--dump", metavar="DIR", help="write tokens and both log-prob tensors per stack (safetensors)")
     p.set_defaults(func=cmd_run)

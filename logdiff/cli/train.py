@@ -8,6 +8,7 @@ from pathlib import Path
 from logdiff import report
 from logdiff.api import Unsupported
 from logdiff.cli.options import (
+    add_device_arg,
     add_layers_arg,
     add_processing_args,
     add_threads_arg,
@@ -42,6 +43,7 @@ def add(sub) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="seed of weights, prompts and sampling (default 0)")
     add_processing_args(p)
     add_threads_arg(p)
+    add_device_arg(p)
     p.add_argument("--out", metavar="DIR", help="folder for JSON and PNG (default ./logdiff-out/train)")
     p.set_defaults(func=cmd_train, stacks_default=TRAIN_STACKS)
 
