@@ -97,6 +97,17 @@ def real_dims(session):
 
 
 @nox.session(python=PYTHON)
+def scale(session):
+    """Real scale (tools/measure_scale.py): `logdiff run --stack reference` on Qwen3-0.6B at full depth and
+    Qwen3-30B-A3B's dimensions at 2 and 4 layers, bf16 and fp32, default and 2048-token workloads: wall time,
+    peak RSS against the checkpoint, verdict, distance from fp64; then every built-in stack at 2048 + 2048
+    tokens. Writes results/<machine>/scale/ (scale.md, scale.json, scale.png, seed-lengths.txt); about 40 min
+    and 16 GB peak on 2 idle cores."""
+    install(session)
+    session.run("python", "tools/measure_scale.py", str(Path("results") / platform.node() / "scale"), *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def device(session):
     """logdiff on whatever accelerator torch finds (`--device`, logdiff.devices): the catalogue for each built-in
     stack built on torch, then a short bench, into results/<machine>/device/. A kernel set without order-fixed

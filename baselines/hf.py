@@ -22,16 +22,21 @@ import torch.nn.functional as F
 from logdiff.api import EngineOptions, Processing, RolloutOutput, Stack, Unsupported
 from logdiff.baselines.hf_capture import capture_hooks, capture_logprobs
 from logdiff.kernels.logsoftmax import scoring_temperature
+from logdiff.weights import own_weights
 
 
 def build_hf_model(spec, dtype: torch.dtype, attention: str, experts: str | None = None):
-    """A transformers model from the spec's config, holding exactly the reference weights."""
+    """A transformers model from the spec's config, holding exactly the reference weights: the tensors every
+    build of the spec in `dtype` shares (no copy in another dtype; `HFStack.trainer_parameters` copies them
+    before a trainer updates them)."""
     import transformers
 
     config = spec.config()
     hf_config = transformers.AutoConfig.for_model(**config.to_hf_dict())
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    model.load_state_dict(spec.build(torch.float32).state_dict(), strict=True)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    model.load_state_dict(spec.build(dtype).state_dict(), strict=True, assign=True)
+    model.tie_weights()  # assign= replaced a tied lm_head's Parameter: one again, as the config says
+    # .to(dtype) also rounds the rotary inv_freq buffer to the model dtype, as a transformers model cast to it has.
     model = model.to(dtype).eval().requires_grad_(False)
     model.set_attn_implementation(attention)
     if experts and config.is_moe:
@@ -58,6 +63,9 @@ class HFStack(Stack):
         return info
 
     def trainer_parameters(self):
+        if not getattr(self, "owns_weights", False):
+            own_weights(self.model)
+            self.owns_weights = True
         return dict(self.model.named_parameters())
 
     def sync_weights(self):

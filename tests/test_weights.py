@@ -100,9 +100,11 @@ def test_builds_of_one_spec_share_weights_until_one_owns_them():
     assert all(pa.data_ptr() != pb.data_ptr() for pa, pb in zip(a.parameters(), b.parameters()))
 
 
-def test_a_trainer_that_updates_its_weights_gets_its_own_copy():
+@pytest.mark.parametrize("stack", ["reference", "hf"])
+def test_a_trainer_that_updates_its_weights_gets_its_own_copy(stack):
     spec = ModelSpec(MODEL, seed=8)
-    trainer_side, other = (KernelStack(spec, torch.float32, 64, reference_kernels()) for _ in range(2))
+    trainer_side = StackCache().get(stack, spec, torch.float32, 64)
+    other = KernelStack(spec, torch.float32, 64, reference_kernels())
     untouched = state(other.model)
     for param in trainer_side.trainer_parameters().values():
         param.data.mul_(0.5)

@@ -1,14 +1,15 @@
 """logdiff at real scale: `logdiff run --stack reference` on real Qwen3 dimensions (random weights: nothing is
 downloaded), each run in its own process, tabled with what it cost and what it found.
 
-    python tools/measure_scale.py OUT_DIR [--quick]
+    python tools/measure_scale.py OUT_DIR [--quick] [--part scale|seed-lengths]
 
 Rows: Qwen3-0.6B at full depth and Qwen3-30B-A3B's dimensions cut to 2 and 4 layers, in bf16 and fp32, on
 the default workload and on one 2048-token prompt (plus a 2048-token response on Qwen3-0.6B in bf16, the
 seed's lengths). Columns: wall time, peak RSS, the checkpoint's bytes, peak / (2 x checkpoint + 1.5 GB) (the
 memory target), verdict, bitwise-equal tokens, each side's largest distance from the fp64 oracle. Writes
 scale.md, scale.json and scale.png (peak RSS against the checkpoint's size) to OUT_DIR, each atomically.
-`--quick` runs the tiny model only (a check of this script).
+Then every built-in stack (`--stack all`) on the tiny model at the seed's lengths, 2048 + 2048 tokens, into
+seed-lengths.txt. `--quick` runs two tiny rows only (a check of this script).
 """
 
 from __future__ import annotations
@@ -67,6 +68,19 @@ def measure(model: str, layers: int | None, dtype: str, workload: str) -> dict:
     }
 
 
+def seed_lengths() -> str:
+    """Every built-in stack on one 2048-token prompt and a 2048-token response, the seed's lengths, on the tiny
+    model (engine memory, attention blocks and the oracle at that context; the time per stack is the table's)."""
+    argv = [sys.executable, "-m", "logdiff", "run", "--stack", "all", "--model", "qwen3-moe-tiny", "--dtype", "bf16",
+            *WORKLOADS["2048 + 2048 tokens"], "--threads", str(os.cpu_count())]
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp)
+    if done.returncode not in (0, 1):
+        raise SystemExit(f"{' '.join(argv[2:])} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return f"$ logdiff {' '.join(argv[3:])}\n{done.stdout}\n(wall time {time.monotonic() - start:.0f} s)\n"
+
+
 def table(rows: list[dict]) -> str:
     head = ("| model | dtype | workload | wall time | peak RSS | checkpoint | of target | verdict | bitwise equal "
             "| fp64 max (rollout / trainer) |\n|---|---|---|---:|---:|---:|---:|---|---:|---:|")
@@ -107,8 +121,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--quick", action="store_true", help="the tiny model only: a check of this script")
+    parser.add_argument("--part", choices=("all", "scale", "seed-lengths"), default="all",
+                        help="the scale table, the seed-lengths run of every built-in stack, or both (default)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.part in ("all", "seed-lengths") and not args.quick:
+        text = seed_lengths()
+        write_text(args.out / "seed-lengths.txt", text)
+        print(text)
+    if args.part == "seed-lengths":
+        return
     plan = QUICK_ROWS if args.quick else ROWS
     rows = []
     for i, row in enumerate(plan, 1):
