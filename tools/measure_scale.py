@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -51,16 +52,19 @@ def measure(model: str, layers: int | None, dtype: str, workload: str) -> dict:
         start = time.monotonic()
         done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp)
         seconds = time.monotonic() - start
+        checkpoint = ModelSpec(model, layers=layers).checkpoint_bytes(parse_dtype(dtype))
+        row = {"model": model, "layers": layers, "dtype": dtype, "workload": workload, "wall_seconds": round(seconds, 1),
+               "checkpoint_bytes": checkpoint}
+        if done.returncode == -signal.SIGKILL:  # the kernel's OOM killer: a row that says so, not a lost table
+            return {**row, "verdict": "killed (SIGKILL: out of memory)", "tokens": None, "peak_rss_bytes": None}
         if done.returncode not in (0, 1):
             raise SystemExit(f"{' '.join(argv[2:])} exited {done.returncode}:\n{done.stderr[-3000:]}")
         result = json.loads(path.read_text())
     stack = result["stacks"][0]
-    checkpoint = ModelSpec(model, layers=layers).checkpoint_bytes(parse_dtype(dtype))
     peak = result["memory"]["peak_rss_bytes"]
     return {
-        "model": model, "layers": layers, "dtype": dtype, "workload": workload, "tokens": stack["tokens"],
-        "wall_seconds": round(seconds, 1), "peak_rss_bytes": peak, "checkpoint_bytes": checkpoint,
-        "of_memory_target": round(peak / (2 * checkpoint + SLACK_BYTES), 3),
+        **row, "tokens": stack["tokens"],
+        "peak_rss_bytes": peak, "of_memory_target": round(peak / (2 * checkpoint + SLACK_BYTES), 3),
         "verdict": stack["verdict"], "bitwise_equal_tokens": stack["bitwise_equal_tokens"],
         "fp64_max_abs_error": {f["side"]: f["max_abs_error"] for f in stack["fidelity"]},
         "fp64_holds": all(f["holds"] for f in stack["fidelity"]),
@@ -87,6 +91,10 @@ def table(rows: list[dict]) -> str:
     lines = [head]
     for r in rows:
         depth = f" --layers {r['layers']}" if r["layers"] else ""
+        if r["peak_rss_bytes"] is None:
+            lines.append(f"| {r['model']}{depth} | {r['dtype']} | {r['workload']} | {r['wall_seconds']:.0f} s | - "
+                         f"| {r['checkpoint_bytes'] / GB:.2f} GB | - | {r['verdict']} | - | - |")
+            continue
         err = r["fp64_max_abs_error"]
         lines.append(f"| {r['model']}{depth} | {r['dtype']} | {r['workload']} | {r['wall_seconds']:.0f} s "
                      f"| {r['peak_rss_bytes'] / GB:.2f} GB | {r['checkpoint_bytes'] / GB:.2f} GB | {r['of_memory_target']:.2f} "
@@ -103,7 +111,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for dtype, marker in (("bf16", "o"), ("fp32", "s")):
-        mine = [r for r in rows if r["dtype"] == dtype]
+        mine = [r for r in rows if r["dtype"] == dtype and r["peak_rss_bytes"] is not None]
         ax.scatter([r["checkpoint_bytes"] / GB for r in mine], [r["peak_rss_bytes"] / GB for r in mine],
                    marker=marker, label=f"logdiff run --stack reference, {dtype}")
     top = max(r["checkpoint_bytes"] for r in rows) / GB * 1.1
@@ -137,13 +145,20 @@ def main() -> None:
         print(f"[{i}/{len(plan)}] {row}", file=sys.stderr, flush=True)
         rows.append(measure(*row))
         print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
-    write_text(args.out / "scale.json", json.dumps(rows, indent=1) + "\n")
-    p = rows[0]["platform"]
-    header = (f"Measured on {p['machine']} ({p['processor']}, {p['cpu_capability']}, {p['threads']} threads, torch {p['torch']}) "
-              f"by `python tools/measure_scale.py`; \"of target\" is peak RSS / (2 x checkpoint + 1.5 GB).\n\n")
-    write_text(args.out / "scale.md", header + table(rows))
-    plot(rows, args.out / "scale.png")
+        write_tables(rows, args.out)  # after every row: a run cut short keeps what it measured
     print(table(rows))
+
+
+def write_tables(rows: list[dict], out: Path) -> None:
+    write_text(out / "scale.json", json.dumps(rows, indent=1) + "\n")
+    p = next((r["platform"] for r in rows if "platform" in r), None)
+    where = (f"{p['machine']} ({p['processor']}, {p['cpu_capability']}, {p['threads']} threads, torch {p['torch']})"
+             if p else "this machine")
+    header = (f"Measured on {where} by `python tools/measure_scale.py`; \"of target\" is peak RSS / (2 x checkpoint "
+              "+ 1.5 GB); fp64 max is each side's largest |logp - logp_fp64|.\n\n")
+    write_text(out / "scale.md", header + table(rows))
+    if any(r["peak_rss_bytes"] is not None for r in rows):
+        plot(rows, out / "scale.png")
 
 
 if __name__ == "__main__":
