@@ -18,7 +18,7 @@ from logdiff import devices, report, stacks
 from logdiff.api import ENTRY_POINT_GROUP, Stack, Unsupported
 from logdiff.errors import UserError
 from logdiff.stacks import StackCache
-from logdiff.weights import ModelSpec
+from logdiff.weights import check_model_option
 from logdiff.workload import Workload
 
 DEFAULT_STACK = "reference"
@@ -83,15 +83,8 @@ def pytest_configure(config):
         stacks.resolve(name)
     except UserError as e:
         raise pytest.UsageError(str(e)) from None
-    model, layers = config.getoption("--model"), config.getoption("--layers")
-    if layers is not None and not model:
-        raise pytest.UsageError("--layers cuts the model --model names; pass --model NAME|DIR with it")
-    if model:
-        try:
-            ModelSpec(model, layers=layers).config()
-        except UserError as e:
-            raise pytest.UsageError(str(e)) from None
     try:
+        check_model_option(config.getoption("--model"), config.getoption("--layers"))
         device = devices.resolve(config.getoption("--device"))
     except UserError as e:
         raise pytest.UsageError(str(e)) from None

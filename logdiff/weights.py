@@ -121,6 +121,16 @@ class ModelSpec:
         return path
 
 
+def check_model_option(model: str | None, layers: int | None) -> None:
+    """`--model` and `--layers` as `logdiff check` and `pytest conformance` take them (a model for every
+    workload, cut or not): one UserError for a depth without a model, an unknown or unreadable model, a depth
+    outside it."""
+    if layers is not None and not model:
+        raise UserError("--layers cuts the model --model names; pass --model NAME|DIR with it")
+    if model:
+        ModelSpec(model, layers=layers).config()
+
+
 # (spec, dtype, device) -> weakly held weight tensors of the last build (ModelSpec.build shares them).
 _built: dict[tuple, dict[str, weakref.ref]] = {}
 

@@ -64,8 +64,6 @@ class Workload:
     def validate(self) -> None:
         """Raises UserError for anything a run could not honour."""
         self.torch_dtype
-        if self.layers is not None and self.layers < 1:
-            raise UserError(f"--layers {self.layers} is not positive; pass the number of decoder layers to keep")
         if self.batch_size < 1:
             raise UserError(f"batch size {self.batch_size} is not positive; pass --batch-size 1 or more")
         if not self.prompt_lens or min(self.prompt_lens) < 1:
@@ -82,12 +80,12 @@ class Workload:
             raise UserError(f"stagger {self.stagger} is negative; pass --stagger 0 or more")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise UserError(f"prefill chunk {self.prefill_chunk} is not positive")
-        limit = self.spec.config().max_position_embeddings
+        config = self.spec.config()  # an unreadable model, a --layers depth outside it: one line
         longest = max(self.prompt_lens) + self.max_new_tokens
-        if longest > limit:
+        if longest > config.max_position_embeddings:
             raise UserError(
-                f"prompt of {max(self.prompt_lens)} + {self.max_new_tokens} new tokens exceeds the {limit} positions "
-                f"of model {self.spec.config().name}; shorten --prompt-lens or --max-new-tokens"
+                f"prompt of {max(self.prompt_lens)} + {self.max_new_tokens} new tokens exceeds the "
+                f"{config.max_position_embeddings} positions of model {config.name}; shorten --prompt-lens or --max-new-tokens"
             )
 
     def requests(self) -> list[Request]:

@@ -55,3 +55,13 @@ def test_unknown_stack_is_a_one_line_usage_error():
     assert result.returncode == 4
     assert "unknown stack 'no-such-stack'; choose one of" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--layers", "1"], "--layers cuts the model --model names; pass --model"),
+    (["--model", "qwen3-moe-tiny", "--layers", "9"], "--layers 9 is outside 1..2"),
+    (["--device", "gpu"], "--device 'gpu': logdiff runs on cpu, cuda, npu, xpu"),
+])
+def test_bad_model_depth_or_device_is_a_one_line_usage_error(args, message):
+    result = pytest_conformance(*args, "--collect-only")
+    assert result.returncode == 4 and message in result.stderr and "Traceback" not in result.stderr
