@@ -115,7 +115,7 @@ class KernelSet:
         """What this kernel set runs, as every report names it: each op's function (a partial with its settings),
         the GEMM backend, both attention paths, and the alignments (logdiff.kernels.Alignments) switched off."""
         ops = {f.name: op_name(getattr(self, f.name)) for f in dataclasses.fields(self)
-               if f.name not in ("name", "tp", "ep") and getattr(self, f.name) is not None}
+               if f.name not in ("name", "tp", "ep", "devices") and getattr(self, f.name) is not None}
         align = next((fn.keywords["align"] for fn in (self.train_attention, self.rollout_attention)
                       if isinstance(fn, partial) and "align" in fn.keywords), None)
         alignments = dataclasses.asdict(align) if align is not None else None
@@ -124,6 +124,7 @@ class KernelSet:
             "attention": {"trainer": short_op_name(self.train_attention), "rollout": short_op_name(self.rollout_attention)},
             "alignments": alignments,
             "switched_off": [a for a, on in (alignments or {}).items() if not on],
+            "devices": list(self.devices) if self.devices is not None else None,
             "ops": ops,
         }
 

@@ -30,32 +30,33 @@ from logdiff.kernelset import KernelSet
 from logdiff.weights import ModelSpec
 
 # What an honest stack's |logp - logp_fp64| stays within, per dtype of its weights and activations, as three
-# statistics of one side's tokens in one case: the median and the 90th percentile (a model that is wrong
-# shifts the bulk of the tokens; rounding and a rare routing flip do not) and the largest error of any token
-# whose expert choice is clear of a tie (the oracle's routing margin, ROUTING_TIE). At a tie, rounding may
-# pick either expert set, and the log-prob move that follows (0.85 on the tiny MoE in bf16, 1.77 in fp32 at
-# Qwen3-30B-A3B's dimensions) says nothing about the model; through attention it reaches the tokens after
-# it, which the quantiles absorb.
-# Measured (2026-12, tests/measure_fidelity_bounds.py, output in results/vm/fidelity/bounds-measurement.txt)
-# over C0's workloads for the honest stacks reference, baseline, naive, hf and hf-eager, and for the wrong
-# models of tests/cheats.py (RoPE base 1e4 for 1e6, norm epsilon 1e-2, last layer dropped, top-(k-1) routing),
-# rollout and trainer sides (truncated routing left out on the dense model, where it changes nothing); the
-# honest stacks' worst -> bound <- the wrong models' best:
-#   fp32  median 3.9e-7 -> 2e-5 <- 0.0045    q90 1.1e-6 -> 5e-5 <- 0.0123    max at no tie 1.5e-6 -> 1e-4
-#   bf16  median 0.0077 -> 0.03 <- 0.104     q90 0.0184 -> 0.1  <- 0.244     max at no tie 0.51   -> 2.0
-#   fp16  median 0.0013 -> 0.003 <- 0.0046   q90 0.0051 -> 0.01 <- 0.0126    max at no tie 0.016  -> 1.5
-# On qwen3-moe-small (64 experts, top-8: near-ties on most tokens) honest bf16 reaches median 0.0096 and q90
-# 0.051, fp16 0.0019 and 0.0072; wrong models there from 0.062 and 0.169 in bf16 (bounds-measurement-qwen3-moe-small.txt).
-# Rotary angles computed in bf16 (positions past 256 rounded) reach q90 0.058 at long context: inside bf16's
-# bound, which the 64-expert honest figures fix; fp16 catches it (0.014).
+# statistics of one side's tokens in one case: the median over all tokens (a model that is wrong shifts the bulk
+# of the tokens; rounding and a rare routing flip do not), and the 90th percentile and the largest error over
+# the tokens whose expert choice is clear of a tie (the oracle's routing margin, ROUTING_TIE). At a tie, rounding
+# may pick either expert set, and the log-prob move that follows (0.85 on the tiny MoE in bf16, 1.77 in fp32 at
+# Qwen3-30B-A3B's dimensions) says nothing about the model; with 64 or 128 experts such ties are on most tokens,
+# so a percentile over all tokens is set by them (q90 0.051 on honest qwen3-moe-small in bf16, 0.0197 at no tie).
+# Through attention a flip reaches the tokens after it, which the percentile absorbs.
+# Measured (2026-12, tests/measure_fidelity_bounds.py, output in results/vm/fidelity/) over C0's workloads for
+# the honest stacks reference, baseline, naive, hf and hf-eager, and for the wrong models of tests/cheats.py
+# (RoPE base 1e4 for 1e6, norm epsilon 1e-2, last layer dropped, top-(k-1) routing; rotary angles computed in
+# the model dtype, wrong past a few hundred positions), rollout and trainer sides; the honest stacks' worst ->
+# bound <- the wrong models' best (rotary angles at long context in brackets):
+#   fp32  median 3.9e-7 -> 2e-5 <- 0.0045            q90 1.1e-6 -> 5e-5 <- 0.0123             max at no tie 1.8e-6 -> 1e-4
+#   bf16  median 0.0077 -> 0.03 <- 0.104 (0.018)     q90 0.0188 -> 0.045 <- 0.244 (0.053)     max at no tie 0.51   -> 2.0
+#   fp16  median 0.0013 -> 0.003 <- 0.0046 (0.0026)  q90 0.0046 -> 0.01 <- 0.0125 (0.0127)    max at no tie 0.016  -> 1.5
+# On qwen3-moe-small (64 experts, top-8: near-ties on most tokens) in bf16 the honest stacks reach median 0.0208
+# and q90 0.0347 (hf at long context: transformers rounds cos and sin to bf16), rotary angles in bf16 0.116
+# (bounds-measurement-qwen3-moe-small-bf16.txt). At Qwen3-30B-A3B's dimensions (128 experts, top-8, depth 2):
+# see bounds-measurement-qwen3-30b-a3b-2l.txt.
 # (bf16's 0.51 at no tie: a flip 3 positions earlier in a 17-token prompt, reaching the token through
-# attention.) The wrong norm epsilon is the one wrong model bf16 cannot see: its median shift (0.009) is
-# bf16's own rounding (0.005-0.008); fp32 and fp16 catch it, at the smallest margins above (x1.5 in fp16).
+# attention.) The wrong norm epsilon is the one wrong model bf16 cannot see: its median shift (0.006-0.010) is
+# bf16's own rounding (0.005-0.008); fp32 and fp16 catch it, at the smallest margins above (x1.25 in fp16).
 # In bf16 and fp16 a stack that rounds its log-probs to a 1/16 grid stays inside the bounds too; C0's fp32
 # workloads and the grid check catch it.
 FIDELITY_BOUNDS = {  # dtype: (median, q90, max at no routing tie)
     torch.float32: (2e-5, 5e-5, 1e-4),
-    torch.bfloat16: (0.03, 0.1, 2.0),
+    torch.bfloat16: (0.03, 0.045, 2.0),
     torch.float16: (0.003, 0.01, 1.5),
 }
 # A token's expert choice is at a tie when, in some MoE layer, the k-th and (k+1)-th router logits of the
@@ -65,7 +66,8 @@ ROUTING_TIE = {torch.float32: 1e-4, torch.bfloat16: 0.03, torch.float16: 0.03}
 
 
 def fidelity_bounds(dtype: torch.dtype) -> tuple[float, float, float]:
-    """(median, 90th percentile, max at no routing tie) of |logp - logp_fp64| allowed for a stack in `dtype`."""
+    """(median over all tokens, 90th percentile and max over the tokens clear of a routing tie) of |logp - logp_fp64|
+    allowed for a stack in `dtype`."""
     return FIDELITY_BOUNDS[dtype]
 
 
@@ -318,8 +320,8 @@ class Fidelity:
     max_abs_error: float  # over every token (routing ties included)
     mean_abs_error: float
     median_abs_error: float
-    q90_abs_error: float
-    max_clear_error: float  # over tokens whose expert choice is clear of a tie
+    q90_clear_error: float  # over tokens whose expert choice is clear of a tie
+    max_clear_error: float
     worst: tuple[int, int] | None  # (sequence, response position) of the largest error clear of a tie
     routing_ties: int  # tokens at a routing tie
     bounds: tuple[float, float, float]  # FIDELITY_BOUNDS: median, q90, max at no tie
@@ -343,11 +345,11 @@ class Fidelity:
                     f"with a top-2 margin above {max_bound:g} and no routing tie")
         if not self.median_abs_error <= median_bound:
             return (f"C0 ({self.side}): the median |logp - logp_fp64| over the tokens is {self.median_abs_error:.3g}, "
-                    f"bound {median_bound:g} (90th percentile {self.q90_abs_error:.3g}): the stack does not compute the model")
-        if not self.q90_abs_error <= q90_bound:
-            return (f"C0 ({self.side}): the 90th percentile of |logp - logp_fp64| over the tokens is {self.q90_abs_error:.3g}, "
-                    f"bound {q90_bound:g} (median {self.median_abs_error:.3g}): the stack does not compute the model "
-                    "on a tenth of the tokens or more")
+                    f"bound {median_bound:g} (90th percentile {self.q90_clear_error:.3g}): the stack does not compute the model")
+        if not self.q90_clear_error <= q90_bound:
+            return (f"C0 ({self.side}): the 90th percentile of |logp - logp_fp64| over the tokens clear of a routing tie is "
+                    f"{self.q90_clear_error:.3g}, bound {q90_bound:g} (median {self.median_abs_error:.3g}): the stack does not "
+                    "compute the model on a tenth of the tokens or more")
         if not self.max_clear_error <= max_bound:
             s, p = self.worst
             return (f"C0 ({self.side}): |logp - logp_fp64| reaches {self.max_clear_error:.3g} at seq {s} pos {p}, where "
@@ -356,7 +358,7 @@ class Fidelity:
 
     def to_dict(self) -> dict:
         return {"side": self.side, "max_abs_error": self.max_abs_error, "mean_abs_error": self.mean_abs_error,
-                "median_abs_error": self.median_abs_error, "q90_abs_error": self.q90_abs_error,
+                "median_abs_error": self.median_abs_error, "q90_clear_error": self.q90_clear_error,
                 "max_clear_error": self.max_clear_error, "worst": self.worst, "routing_ties": self.routing_ties,
                 "bounds": dict(zip(("median", "q90", "max_at_no_tie"), self.bounds)),
                 "greedy_mismatch": self.greedy_mismatch, "rounded_to": self.rounded_to, "holds": self.holds}
@@ -390,6 +392,7 @@ def fidelity(side: str, logprobs: Sequence[torch.Tensor], oracle: OracleScores, 
               for mine, exact in zip(logprobs, oracle.logprobs)]
     clear = [margin >= ROUTING_TIE[dtype] for margin in oracle.routing_margin]
     every = torch.cat(errors) if errors else torch.zeros(0, dtype=torch.float64)
+    clear_of_ties = every[torch.cat(clear)] if errors else every
     worst_at, worst_clear = None, 0.0
     for s, (err, ok) in enumerate(zip(errors, clear)):
         if ok.any() and (worst_at is None or float(err[ok].max()) > worst_clear):
@@ -406,11 +409,11 @@ def fidelity(side: str, logprobs: Sequence[torch.Tensor], oracle: OracleScores, 
                 mismatch = (s, p, int(toks[p]), int(oracle.argmax[s][p]))
                 break
 
-    def stat(f):
-        return float(f(every)) if every.numel() else 0.0
+    def stat(f, tokens=every):
+        return float(f(tokens)) if tokens.numel() else 0.0
 
     return Fidelity(side, stat(torch.max), stat(torch.mean), stat(lambda e: e.quantile(0.5)),
-                    stat(lambda e: e.quantile(0.9)), worst_clear, worst_at, sum(int((~ok).sum()) for ok in clear),
+                    stat(lambda e: e.quantile(0.9), clear_of_ties), worst_clear, worst_at, sum(int((~ok).sum()) for ok in clear),
                     bounds, mismatch, rounded_to_model_dtype(logprobs, dtype))
 
 

@@ -1,8 +1,9 @@
 """Measures what logdiff.oracle.FIDELITY_BOUNDS are derived from: per dtype, case and side, the median, 90th
 percentile and largest |logp - logp_fp64| (the largest also over the tokens clear of a routing tie) of the
 honest stacks and of the wrong models of tests/cheats.py over C0's workloads. Run:
-`python tests/measure_fidelity_bounds.py [stacks] [dtypes] [model] [workloads]` (model: run the MoE workloads on it, e.g.
-qwen3-moe-small, 64 experts top-8, where routing near-ties are frequent); the output committed in
+`python tests/measure_fidelity_bounds.py [stacks] [dtypes] [model[:layers]] [workloads]` (model: run the MoE workloads on it,
+e.g. qwen3-moe-small, 64 experts top-8, where routing near-ties are frequent, or qwen3-30b-a3b:2, Qwen3-30B-A3B's
+dimensions at depth 2); the output committed in
 results/<machine>/fidelity/bounds-measurement[-model].txt, its summary (honest worst, wrong best) at the end."""
 
 import dataclasses
@@ -16,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import cheats  # noqa: E402
 
 from logdiff.api import TrainerInputs  # noqa: E402
+from logdiff.conformance.plugin import model_len_for  # noqa: E402
 from logdiff.conformance.workloads import WORKLOADS, with_dtype  # noqa: E402
 from logdiff.oracle import Oracle, fidelity  # noqa: E402
 from logdiff.runner import engine_options  # noqa: E402
@@ -36,7 +38,7 @@ def counts_as_wrong(stack: str, dtype: str, workload: str) -> bool:
     if stack == "rope-angles-in-model-dtype":
         return dtype != "fp32" and workload == "long-context"
     return True
-STATISTICS = ("median_abs_error", "q90_abs_error", "max_clear_error")
+STATISTICS = ("median_abs_error", "q90_clear_error", "max_clear_error")
 
 
 def main(names, dtypes, model=None, workloads=WORKLOADS_MEASURED):
@@ -46,7 +48,9 @@ def main(names, dtypes, model=None, workloads=WORKLOADS_MEASURED):
         for name in workloads:
             w = with_dtype(WORKLOADS[name], dtype)
             if model and w.model != "qwen3-dense-tiny":
-                w = dataclasses.replace(w, model=model)
+                name_and_depth = model.split(":")
+                w = dataclasses.replace(w, model=name_and_depth[0],
+                                        layers=int(name_and_depth[1]) if len(name_and_depth) > 1 else None)
             elif model:
                 continue
             oracle = Oracle(w.spec, w.torch_dtype)
@@ -55,9 +59,9 @@ def main(names, dtypes, model=None, workloads=WORKLOADS_MEASURED):
                     continue  # a dense model has no routing to truncate
                 started = time.perf_counter()
                 if stack_name in WRONG:
-                    stack = WRONG[stack_name](w.spec, w.torch_dtype, 512)
+                    stack = WRONG[stack_name](w.spec, w.torch_dtype, model_len_for(w))
                 else:
-                    stack = cache.get(stack_name, w.spec, w.torch_dtype, 512)
+                    stack = cache.get(stack_name, w.spec, w.torch_dtype, model_len_for(w))
                 requests = w.requests()
                 outputs = stack.rollout(requests, engine_options(w))
                 scored = TrainerInputs.after(requests, outputs)
@@ -68,8 +72,9 @@ def main(names, dtypes, model=None, workloads=WORKLOADS_MEASURED):
                          fidelity("trainer", trainer, exact, w.torch_dtype)]
                 line = f"{stack_name:17s} {dtype} {name:20s}"
                 for f in sides:
-                    line += (f"  {f.side} median {f.median_abs_error:.3g} q90 {f.q90_abs_error:.3g} max {f.max_abs_error:.3g} "
-                             f"clear max {f.max_clear_error:.3g} ties {f.routing_ties} greedy {f.greedy_mismatch}")
+                    line += (f"  {f.side} median {f.median_abs_error:.3g} q90 clear {f.q90_clear_error:.3g} "
+                             f"max {f.max_abs_error:.3g} clear max {f.max_clear_error:.3g} ties {f.routing_ties} "
+                             f"greedy {f.greedy_mismatch}")
                     for stat in STATISTICS:
                         value = getattr(f, stat)
                         if stack_name in WRONG:

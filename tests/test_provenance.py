@@ -87,6 +87,7 @@ def test_the_reference_baseline_and_naive_say_what_they_run(stack_cache):
     assert baseline["alignments"] is None and baseline["gemm"].startswith("torch.matmul")
     assert baseline["attention"]["trainer"] == "sdpa_train_attention"
     assert naive["gemm"] == reference["gemm"] and "block=" in naive["ops"]["train_attention"]
+    assert reference["devices"] == ["cpu"] and all(not name.startswith("?") for name in reference["ops"].values())
 
 
 def test_run_prints_and_writes_what_ran(tmp_path, capsys):
