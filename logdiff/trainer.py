@@ -15,6 +15,11 @@ from logdiff.batch import SeqBatch, check_score_from
 from logdiff.kernelset import KernelSet
 from logdiff.model import Qwen3ForCausalLM
 
+# Scored positions whose [rows, V] fp32 logits exist at once: a 2048-token response at vocabulary 151936
+# would hold 1.2 GB of logits and as much again in the log-softmax. Every op of the head is row-wise, and
+# the reference's GEMM gives a row the same bits at any M (kernels/gemm.py), so its log-probs do not change.
+HEAD_ROWS = 256
+
 
 class Trainer:
     def __init__(self, model: Qwen3ForCausalLM, ops: KernelSet):
@@ -58,10 +63,17 @@ class Trainer:
                 return ops.train_attention(q, k, v, seqs)
 
             hidden = self.model.hidden_states(tokens, seqs, ops, attend, capture)
-            logits = self.model.logits(hidden[torch.cat(rows)], ops, capture)
-            temps = torch.cat(temps)
-            truncated = ops.truncated(logits, temps, row_processing)
-            logp = ops.mode_logprobs(logits, truncated, torch.cat(targets), temps, row_processing)
+            rows, targets, temps = torch.cat(rows), torch.cat(targets), torch.cat(temps)
+            parts, logits_kept = [], []
+            for first in range(0, len(rows), HEAD_ROWS):
+                part = slice(first, first + HEAD_ROWS)
+                logits = self.model.logits(hidden[rows[part]], ops)
+                if capture:
+                    logits_kept.append(logits)
+                truncated = ops.truncated(logits, temps[part], row_processing[part])
+                parts.append(ops.mode_logprobs(logits, truncated, targets[part], temps[part], row_processing[part]))
+            logp = torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
         if capture:
+            capture("logits", torch.cat(logits_kept))
             capture("logprob", logp)
         return list(logp.split(counts))

@@ -43,3 +43,22 @@ def test_backward_reaches_every_parameter_and_is_deterministic(trainer):
 def test_score_from_outside_sequence_is_rejected(trainer):
     with pytest.raises(ValueError, match="score_from"):
         trainer.logprobs([[1, 2, 3]], [0], [1.0])
+
+
+def test_the_head_in_chunks_gives_the_bits_of_one_pass(trainer, monkeypatch):
+    """The trainer scores HEAD_ROWS positions at a time (its [rows, V] logits bounded); every op of the head is
+    row-wise and the reference GEMM's rows do not depend on M, so chunking changes no bit, and a capture
+    still sees every scored row's logits."""
+    import logdiff.trainer as trainer_module
+    from logdiff.bisect.capture import Recorder
+
+    def scored(rows):
+        monkeypatch.setattr(trainer_module, "HEAD_ROWS", rows)
+        recorder = Recorder(request=1, upto=129)
+        return torch.cat(trainer.logprobs(SEQS, [1, 3, 1], [1.0, 0.7, 0.0], capture=recorder)), recorder.rows["logits"]
+
+    whole, whole_logits = scored(10**9)
+    chunked, chunked_logits = scored(7)  # 5 + 127 + 1 scored rows: chunks cut inside sequences
+    assert torch.equal(whole.view(torch.int32), chunked.view(torch.int32))
+    assert sorted(chunked_logits) == list(range(2, 129)) and all(
+        torch.equal(whole_logits[p], chunked_logits[p]) for p in whole_logits)
