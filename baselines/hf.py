@@ -33,9 +33,12 @@ def build_hf_model(spec, dtype: torch.dtype, attention: str, experts: str | None
 
     config = spec.config()
     hf_config = transformers.AutoConfig.for_model(**config.to_hf_dict())
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    with torch.device("meta"):  # no randomly initialised copy: every parameter is assigned below
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     model.load_state_dict(spec.build(dtype).state_dict(), strict=True, assign=True)
     model.tie_weights()  # assign= replaced a tied lm_head's Parameter: one again, as the config says
+    # The rotary inv_freq buffers are computed, not stored: made again off the meta device, as from_config makes them.
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=hf_config)
     # .to(dtype) also rounds the rotary inv_freq buffer to the model dtype, as a transformers model cast to it has.
     model = model.to(dtype).eval().requires_grad_(False)
     model.set_attn_implementation(attention)
