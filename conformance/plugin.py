@@ -33,6 +33,7 @@ _XFAILS = pytest.StashKey[dict]()
 _DEVICE = pytest.StashKey[object]()  # the open `devices.using` of --device
 _WORKLOADS = pytest.StashKey[list]()
 _PARALLEL = pytest.StashKey[tuple]()  # (options for run and bisect, options for bisect only) of a sharded test
+_BISECTABLE = pytest.StashKey[bool]()  # every stack the test built implements capture: `logdiff bisect` can run on it
 
 
 def pytest_addoption(parser):
@@ -154,9 +155,9 @@ def _declined_is_skipped(item):
 
 def reproducer(item, error: BaseException) -> str:
     """The command lines that reproduce a failing test, each runnable as printed from any directory (the models are
-    named configs): the test itself through `logdiff check`, and `logdiff run` / `logdiff bisect` on the workloads
-    that failed (a generated test's error names them: logdiff.conformance.generated), else on the last workload
-    the test ran."""
+    named configs): the test itself through `logdiff check`, and `logdiff run` / `logdiff bisect` (where the stack
+    implements capture, which bisect needs) on the workloads that failed (a generated test's error names them:
+    logdiff.conformance.generated), else on the last workload the test ran."""
     config = item.config
     stack = shlex.quote(config.getoption("--stack"))
     generated = "".join(f" {flag} {config.getoption(flag)}" for flag, default in (
@@ -169,7 +170,8 @@ def reproducer(item, error: BaseException) -> str:
     for w in getattr(error, "workloads", None) or item.stash.get(_WORKLOADS, [])[-1:]:
         w = on_model(config, w)
         lines.append(f"reproduce: logdiff run --stack {stack} {w.command_line()}{degrees}")
-        lines.append(f"locate:    logdiff bisect --stack {stack} {w.command_line()}{degrees}{bisect_only}")
+        if item.stash.get(_BISECTABLE, False):
+            lines.append(f"locate:    logdiff bisect --stack {stack} {w.command_line()}{degrees}{bisect_only}")
     return "\n".join(lines)
 
 
@@ -270,7 +272,9 @@ def _remembering(request, builder):
 
     def get(workload: Workload) -> Stack:
         used.append(workload)
-        return builder(workload)
+        stack = builder(workload)
+        request.node.stash[_BISECTABLE] = request.node.stash.get(_BISECTABLE, True) and stack.supports_capture
+        return stack
 
     return get
 

@@ -60,6 +60,13 @@ class EchoStack(KernelStack):
         return [self.recorded.get(tuple(s), c) for s, c in zip(sequences, computed)]
 
 
+def echo_without_capture(spec, dtype, max_model_len):
+    """the echoing trainer in a stack that does not implement capture, as one wrapping a foreign engine may not"""
+    stack = EchoStack(spec, dtype, max_model_len)
+    stack.supports_capture = False
+    return stack
+
+
 class RoundingStack(KernelStack):
     """reference, with every log-prob rounded to a multiple of 1/16 on both paths"""
 

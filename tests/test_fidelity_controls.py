@@ -220,6 +220,14 @@ def _check(stack, prop, tmp_path, *more):
                            "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
+def test_a_failure_names_bisect_only_where_the_stack_can_capture(tmp_path):
+    """`logdiff bisect` needs the capture hook: a stack without it gets the reproduce lines but no dead-end locate line."""
+    result = _check("cheats:echo_without_capture", "C3", tmp_path, "-k", "joins-mid-decode")
+    assert result.returncode == 1, result.stderr
+    assert "reproduce: logdiff run --stack cheats:echo_without_capture" in result.stdout
+    assert "locate:" not in result.stdout
+
+
 def test_logdiff_check_fails_a_consistent_cheat_naming_c0(tmp_path):
     result = _check("cheats:rounding", "C0", tmp_path)
     assert result.returncode == 1, result.stderr
