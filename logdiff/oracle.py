@@ -49,8 +49,10 @@ from logdiff.weights import ModelSpec
 # and q90 0.0347 (hf at long context: transformers rounds cos and sin to bf16), rotary angles in bf16 0.116
 # (bounds-measurement-qwen3-moe-small-bf16.txt); at Qwen3-30B-A3B's dimensions (128 experts, top-8, depth 2) the
 # honest stacks reach 0.0137 and 0.0293 (hf at long context), rotary angles in bf16 0.0473, the other wrong models
-# from 0.0361 and 0.0968 (bounds-measurement-qwen3-30b-a3b-2l.txt). bf16's q90 bound sits between the honest
-# 0.0347 and the wrong 0.0473, x1.15 from the one and x1.18 from the other.
+# from 0.0361 and 0.0968; in fp32 honest 1.9e-6, 5.8e-6 and 8.7e-6 at no tie (routing near-ties no longer flip:
+# the GEMM's order is fixed), wrong from 0.0149; in fp16 honest 0.0014 and 0.0021, wrong from 0.0438 and 0.0954
+# (bounds-measurement-qwen3-30b-a3b-2l.txt). bf16's q90 bound sits between the honest 0.0347 and the wrong
+# 0.0473, x1.15 from the one and x1.18 from the other.
 # (bf16's 0.51 at no tie: a flip 3 positions earlier in a 17-token prompt, reaching the token through
 # attention.) The wrong norm epsilon is the one wrong model bf16 cannot see: its median shift (0.006-0.010) is
 # bf16's own rounding (0.005-0.008); fp32 and fp16 catch it, at the smallest margins above (x1.25 in fp16).
