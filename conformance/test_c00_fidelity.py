@@ -3,7 +3,8 @@ model, so every side's log-probs are scored against an fp64 oracle of the same w
 the trainer's (on its own instance of the stack) and, where offered, the engine's prefill scoring, on
 greedy workloads and on sampled ones at temperatures 0.3, 0.7, 1 and 1.5 (scored at the request's own
 temperature, so log-probs recorded at another one fail), in fp32, bf16 and fp16, at contexts past 2048.
-Per side, the median of |logp - logp_fp64| over the tokens, and its 90th percentile and largest value over the
+Per side, the median of |logp - logp_fp64| over the tokens, the size of the median of logp - logp_fp64 (a wrong
+model moves log-probs one way, rounding either way), and the 90th percentile and largest |logp - logp_fp64| over the
 tokens whose expert choice is clear of a routing tie, stay within the dtype's bounds (logdiff.oracle.FIDELITY_BOUNDS, with
 the measurement of honest and wrong models they come from); greedy tokens are the oracle's argmax wherever
 its top-2 margin is clear; seeded sampling draws from the oracle's tempered distribution (a

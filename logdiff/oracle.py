@@ -30,7 +30,7 @@ from logdiff.kernelset import KernelSet
 from logdiff.weights import ModelSpec
 
 # What an honest stack's |logp - logp_fp64| stays within, per dtype of its weights and activations, as three
-# statistics of one side's tokens in one case: the median over all tokens (a model that is wrong shifts the bulk
+# statistics of one side's tokens in one case (a fourth, signed, below): the median over all tokens (a wrong model shifts the bulk
 # of the tokens; rounding and a rare routing flip do not), and the 90th percentile and the largest error over
 # the tokens whose expert choice is clear of a tie (the oracle's routing margin, ROUTING_TIE). At a tie, rounding
 # may pick either expert set, and the log-prob move that follows (0.85 on the tiny MoE in bf16, 1.77 in fp32 at
@@ -54,14 +54,20 @@ from logdiff.weights import ModelSpec
 # (bounds-measurement-qwen3-30b-a3b-2l.txt). bf16's q90 bound sits between the honest 0.0347 and the wrong
 # 0.0473, x1.15 from the one and x1.18 from the other.
 # (bf16's 0.51 at no tie: a flip 3 positions earlier in a 17-token prompt, reaching the token through
-# attention.) The wrong norm epsilon is the one wrong model bf16 cannot see: its median shift (0.006-0.010) is
-# bf16's own rounding (0.005-0.008); fp32 and fp16 catch it, at the smallest margins above (x1.25 in fp16).
-# In bf16 and fp16 a stack that rounds its log-probs to a 1/16 grid stays inside the bounds too; C0's fp32
-# workloads and the grid check catch it.
-FIDELITY_BOUNDS = {  # dtype: (median, q90, max at no routing tie)
-    torch.float32: (2e-5, 5e-5, 1e-4),
-    torch.bfloat16: (0.03, 0.04, 2.0),
-    torch.float16: (0.003, 0.01, 1.5),
+# attention.) A fourth statistic is signed: the median of logp - logp_fp64. Rounding moves a log-prob either way;
+# a wrong model moves it one way on a greedy workload (a norm epsilon of 1e-2 flattens the distribution: 73-88 %
+# of the greedy tokens below the oracle's). It catches what bf16's rounding hides from the three sizes above, the
+# norm epsilon, whose median |error| (0.006-0.016) is bf16's own (0.005-0.021). Honest worst -> bound <- wrong
+# best on the greedy C0 workloads: bf16 0.0054 (hf at long context on qwen3-moe-small; 0.0031 tiny, 0.0033 at
+# Qwen3-30B-A3B's dimensions) -> 0.0065 <- 0.0082 (long-decode on the tiny MoE; 0.0084 and 0.0137 on the others).
+# In fp32 and fp16 |median signed| <= median |error|, whose honest worst is 1.9e-6 and 0.0014 at any size
+# measured: bounds 1e-5 and 0.002. On sampled workloads the wrong norm epsilon keeps its sign balance (0.0015):
+# fp32 and fp16 catch it there. In bf16 and fp16 a stack that rounds its log-probs to a 1/16 grid stays inside
+# the bounds too; C0's fp32 workloads and the grid check catch it.
+FIDELITY_BOUNDS = {  # dtype: (median, q90, max at no routing tie, size of the signed median)
+    torch.float32: (2e-5, 5e-5, 1e-4, 1e-5),
+    torch.bfloat16: (0.03, 0.04, 2.0, 0.0065),
+    torch.float16: (0.003, 0.01, 1.5, 0.002),
 }
 # A token's expert choice is at a tie when, in some MoE layer, the k-th and (k+1)-th router logits of the
 # position that predicts it are closer than this many standard deviations of its router logits (measured:
@@ -69,9 +75,9 @@ FIDELITY_BOUNDS = {  # dtype: (median, q90, max at no routing tie)
 ROUTING_TIE = {torch.float32: 1e-4, torch.bfloat16: 0.03, torch.float16: 0.03}
 
 
-def fidelity_bounds(dtype: torch.dtype) -> tuple[float, float, float]:
-    """(median over all tokens, 90th percentile and max over the tokens clear of a routing tie) of |logp - logp_fp64|
-    allowed for a stack in `dtype`."""
+def fidelity_bounds(dtype: torch.dtype) -> tuple[float, float, float, float]:
+    """(median over all tokens, 90th percentile and max over the tokens clear of a routing tie) of |logp - logp_fp64|,
+    and the largest size of the median of logp - logp_fp64, allowed for a stack in `dtype`."""
     return FIDELITY_BOUNDS[dtype]
 
 
@@ -324,11 +330,12 @@ class Fidelity:
     max_abs_error: float  # over every token (routing ties included)
     mean_abs_error: float
     median_abs_error: float
+    median_signed_error: float  # the median of logp - logp_fp64: rounding moves a log-prob either way, a wrong model one way
     q90_clear_error: float  # over tokens whose expert choice is clear of a tie
     max_clear_error: float
     worst: tuple[int, int] | None  # (sequence, response position) of the largest error clear of a tie
     routing_ties: int  # tokens at a routing tie
-    bounds: tuple[float, float, float]  # FIDELITY_BOUNDS: median, q90, max at no tie
+    bounds: tuple[float, float, float, float]  # FIDELITY_BOUNDS: median, q90, max at no tie, signed median
     greedy_mismatch: tuple[int, int, int, int] | None = None  # (seq, pos, token, oracle argmax)
     rounded_to: str | None = None  # the model dtype, when every recorded log-prob lies on its grid
 
@@ -338,7 +345,7 @@ class Fidelity:
 
     def problem(self) -> str | None:
         """One line saying why C0 fails for this side, or None (NaN errors count as inf, see fidelity)."""
-        median_bound, q90_bound, max_bound = self.bounds
+        median_bound, q90_bound, max_bound, signed_bound = self.bounds
         if self.rounded_to is not None:
             return (f"C0 ({self.side}): every nonzero log-prob is exactly a {self.rounded_to} value: they were rounded "
                     f"to the model dtype (an fp32 log-prob lands on that grid by chance with probability "
@@ -350,6 +357,10 @@ class Fidelity:
         if not self.median_abs_error <= median_bound:
             return (f"C0 ({self.side}): the median |logp - logp_fp64| over the tokens is {self.median_abs_error:.3g}, "
                     f"bound {median_bound:g} (90th percentile {self.q90_clear_error:.3g}): the stack does not compute the model")
+        if not abs(self.median_signed_error) <= signed_bound:
+            return (f"C0 ({self.side}): the median of logp - logp_fp64 over the tokens is {self.median_signed_error:+.3g}, bound "
+                    f"±{signed_bound:g} (median |logp - logp_fp64| {self.median_abs_error:.3g}): rounding moves log-probs either "
+                    "way, these move one way: the stack does not compute the model")
         if not self.q90_clear_error <= q90_bound:
             return (f"C0 ({self.side}): the 90th percentile of |logp - logp_fp64| over the tokens clear of a routing tie is "
                     f"{self.q90_clear_error:.3g}, bound {q90_bound:g} (median {self.median_abs_error:.3g}): the stack does not "
@@ -364,7 +375,8 @@ class Fidelity:
         return {"side": self.side, "max_abs_error": self.max_abs_error, "mean_abs_error": self.mean_abs_error,
                 "median_abs_error": self.median_abs_error, "q90_clear_error": self.q90_clear_error,
                 "max_clear_error": self.max_clear_error, "worst": self.worst, "routing_ties": self.routing_ties,
-                "bounds": dict(zip(("median", "q90", "max_at_no_tie"), self.bounds)),
+                "median_signed_error": self.median_signed_error,
+                "bounds": dict(zip(("median", "q90", "max_at_no_tie", "median_signed"), self.bounds)),
                 "greedy_mismatch": self.greedy_mismatch, "rounded_to": self.rounded_to, "holds": self.holds}
 
 
@@ -392,8 +404,8 @@ def fidelity(side: str, logprobs: Sequence[torch.Tensor], oracle: OracleScores, 
     """`side`'s log-probs against the oracle's. With `tokens` and `greedy`: greedy tokens must be the oracle's
     argmax wherever its top-2 margin exceeds the max bound and no routing tie is near (there rounding may pick either)."""
     bounds = fidelity_bounds(dtype)
-    errors = [torch.nan_to_num((mine.detach().double() - exact).abs(), nan=torch.inf)
-              for mine, exact in zip(logprobs, oracle.logprobs)]
+    signed = [torch.nan_to_num(mine.detach().double() - exact, nan=torch.inf) for mine, exact in zip(logprobs, oracle.logprobs)]
+    errors = [e.abs() for e in signed]
     clear = [margin >= ROUTING_TIE[dtype] for margin in oracle.routing_margin]
     every = torch.cat(errors) if errors else torch.zeros(0, dtype=torch.float64)
     clear_of_ties = every[torch.cat(clear)] if errors else every
@@ -417,6 +429,7 @@ def fidelity(side: str, logprobs: Sequence[torch.Tensor], oracle: OracleScores, 
         return float(f(tokens)) if tokens.numel() else 0.0
 
     return Fidelity(side, stat(torch.max), stat(torch.mean), stat(lambda e: e.quantile(0.5)),
+                    stat(lambda e: e.quantile(0.5), torch.cat(signed) if signed else every),
                     stat(lambda e: e.quantile(0.9), clear_of_ties), worst_clear, worst_at, sum(int((~ok).sum()) for ok in clear),
                     bounds, mismatch, rounded_to_model_dtype(logprobs, dtype))
 

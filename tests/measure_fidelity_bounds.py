@@ -38,7 +38,7 @@ def counts_as_wrong(stack: str, dtype: str, workload: str) -> bool:
     if stack == "rope-angles-in-model-dtype":
         return dtype != "fp32" and workload == "long-context"
     return True
-STATISTICS = ("median_abs_error", "q90_clear_error", "max_clear_error")
+STATISTICS = ("median_abs_error", "median_signed_error", "q90_clear_error", "max_clear_error")
 
 
 def main(names, dtypes, model=None, workloads=WORKLOADS_MEASURED):
@@ -72,11 +72,12 @@ def main(names, dtypes, model=None, workloads=WORKLOADS_MEASURED):
                          fidelity("trainer", trainer, exact, w.torch_dtype)]
                 line = f"{stack_name:17s} {dtype} {name:20s}"
                 for f in sides:
-                    line += (f"  {f.side} median {f.median_abs_error:.3g} q90 clear {f.q90_clear_error:.3g} "
+                    line += (f"  {f.side} median {f.median_abs_error:.3g} signed {f.median_signed_error:+.3g} "
+                             f"q90 clear {f.q90_clear_error:.3g} "
                              f"max {f.max_abs_error:.3g} clear max {f.max_clear_error:.3g} ties {f.routing_ties} "
                              f"greedy {f.greedy_mismatch}")
                     for stat in STATISTICS:
-                        value = getattr(f, stat)
+                        value = abs(getattr(f, stat))  # the signed median counts by its size
                         if stack_name in WRONG:
                             if counts_as_wrong(stack_name, dtype, name):
                                 wrong_best[dtype, stat] = min(wrong_best[dtype, stat], value)

@@ -112,11 +112,13 @@ CHEAT_RUNS = {  # stack, extra `logdiff run` options, what the user sees
     "cheats:TunedStack": (["--prompt-lens", "33,71"], "C3 (rollout vs trainer): logprobs differ at seq"),
     "cheats:wrong_temperature": (["--temperature", "0.7"], "C0 (rollout): the median |logp - logp_fp64| over the tokens is"),
     "cheats:model_dtype_logprobs": (["--dtype", "bf16"], "C0 (rollout): every nonzero log-prob is exactly a bf16 value"),
-    # consistently the wrong model, in the dtype RL trains in (the norm epsilon only shows above bf16's rounding)
+    # consistently the wrong model, in the dtype RL trains in
     "cheats:wrong_rope_base": (["--dtype", "bf16"], "C0 (rollout): the median |logp - logp_fp64| over the tokens is"),
     "cheats:dropped_layer": (["--dtype", "bf16"], "C0 (rollout): the median |logp - logp_fp64| over the tokens is"),
     "cheats:truncated_routing": (["--dtype", "bf16"], "C0 (rollout): the median |logp - logp_fp64| over the tokens is"),
-    "cheats:wrong_norm_eps": (["--dtype", "fp16"], "C0 (rollout): the median |logp - logp_fp64| over the tokens is"),
+    # below bf16's rounding in size, but one-sided: the signed median sees it on greedy decodes
+    "cheats:wrong_norm_eps": (["--dtype", "bf16", "--prompt-lens", "120,250", "--batch-size", "2", "--max-new-tokens", "140",
+                               "--stagger", "0"], "C0 (rollout): the median of logp - logp_fp64 over the tokens is -0.00"),
     # right at short contexts; positions past 256 round in bf16
     "cheats:rope_angles_in_model_dtype": (["--dtype", "bf16", "--prompt-lens", "2100,1990", "--batch-size", "2",
                                            "--max-new-tokens", "80"], "C0 (rollout): the 90th percentile of |logp - logp_fp64|"),
@@ -157,16 +159,14 @@ def test_c0_catches_the_consistent_cheats(cheats_importable, fixtures, stack):
     assert message.startswith("C0 (rollout): ") and "C0 (trainer): " in message
 
 
-# A norm epsilon of 1e-2 moves the median log-prob by 0.009, bf16's own rounding (logdiff.oracle.FIDELITY_BOUNDS):
-# no bf16 statistic can see it; fp32 and fp16 do.
 WRONG_MODELS = [(cheat, dtype) for cheat in ("wrong_rope_base", "dropped_layer", "truncated_routing", "wrong_norm_eps")
-                for dtype in ("fp32", "bf16", "fp16") if (cheat, dtype) != ("wrong_norm_eps", "bf16")]
+                for dtype in ("fp32", "bf16", "fp16")]
 
 
 @pytest.mark.parametrize("cheat, dtype", WRONG_MODELS)
 def test_c0_catches_a_consistently_wrong_model_in_every_dtype(cheats_importable, fixtures, cheat, dtype):
     """Rollout and trainer agree bit for bit on a model that is not the checkpoint's; the bulk of its tokens
-    moves, which a routing near-tie cannot do."""
+    moves, which a routing near-tie cannot do (the norm epsilon in bf16: by less than rounding, but one way)."""
     import cheats
 
     workload = "long-decode" if dtype == "fp32" else f"long-decode-{dtype}"
