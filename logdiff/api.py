@@ -5,6 +5,9 @@ A stack is a (trainer, rollout engine) pair under test. A stack factory is any c
 `factory(spec: ModelSpec, dtype: torch.dtype, max_model_len: int) -> Stack`; `logdiff` finds it by a
 built-in name, by `module:attr`, or by a name that an installed package registers under the entry-point
 group `logdiff.stacks` (see `logdiff.stacks`). The factory's docstring is its line in `logdiff list`.
+Any two stacks pair up: `--rollout R --trainer T` (or the stack name `R+T`) runs R's rollout engine against
+T's trainer on the same weights; a factory may return a `TrainerOnly` or a `RolloutOnly` side, which runs
+only in such a pair.
 """
 
 from __future__ import annotations
@@ -96,6 +99,22 @@ class EngineOptions:
     shuffle_pages: int | None = None  # seed permuting the block tables
 
 
+PADDINGS = ("packed", "right", "left")
+
+
+@dataclass(frozen=True)
+class TrainerLayout:
+    """How a trainer lays a batch out for its forward, the knobs RL trainers expose (conformance C13): none of
+    them may change a sequence's log-probs. `padding`: "packed" concatenates the sequences (varlen, verl's
+    remove-padding), "right" and "left" pad each to the longest plus `extra_padding` columns; `token_budget`
+    caps the tokens per forward (verl's dynamic batch size), None: no cap."""
+
+    micro_batch: int | None = None  # sequences per forward; None: all in one
+    padding: str = "packed"
+    extra_padding: int = 0
+    token_budget: int | None = None
+
+
 @dataclass(frozen=True)
 class TrainerInputs:
     """What the trainer scores after a rollout: prompt + response, scored from the first response token,
@@ -141,6 +160,8 @@ class Stack(ABC):
       supports_capture  `rollout` and `trainer_logprobs` take `capture=` (`logdiff bisect` needs it)
       parallel_degrees  {"tp": tensor-parallel degrees, "ep": expert-parallel degrees} that `parallel`
                         accepts (conformance C8); (1,) each: the stack runs in one process only
+      trainer_layouts   {TrainerLayout field: the values its trainer honours} (conformance C13); a stack
+                        that names any takes `layout: TrainerLayout | None` in `trainer_logprobs`
 
     Isolation is of state, not of weight bytes: the trainer and the rollout engine may read the same
     read-only weight tensors (a checkpoint mapped once), but neither may read what the other computed
@@ -163,6 +184,7 @@ class Stack(ABC):
     device: str = "cpu"
     supports_capture: bool = False
     parallel_degrees: dict[str, tuple[int, ...]] = {"tp": (1,), "ep": (1,)}
+    trainer_layouts: dict[str, tuple] = {}
 
     @abstractmethod
     def rollout(self, requests: Sequence[Request], options: EngineOptions = EngineOptions()) -> list[RolloutOutput]:
@@ -212,6 +234,21 @@ class Stack(ABC):
         from logdiff import __version__
 
         return {"name": self.name, "device": self.device, "versions": {"logdiff": __version__, "torch": torch.__version__}}
+
+
+class TrainerOnly(Stack):
+    """A trainer registered alone (e.g. an RL framework's actor): it runs paired with a rollout engine,
+    `--trainer NAME --rollout R`."""
+
+    def rollout(self, requests, options=EngineOptions()):
+        raise Unsupported(f"{self.name} is a trainer only: pair it with a rollout engine (--trainer {self.name} --rollout NAME)")
+
+
+class RolloutOnly(Stack):
+    """A rollout engine registered alone: it runs paired with a trainer, `--rollout NAME --trainer T`."""
+
+    def trainer_logprobs(self, sequences, score_from, temperatures, grad=False):
+        raise Unsupported(f"{self.name} is a rollout engine only: pair it with a trainer (--rollout {self.name} --trainer NAME)")
 
 
 def locate(capture: Capture, request: torch.Tensor, position: torch.Tensor, head: torch.Tensor | None = None) -> None:

@@ -34,6 +34,7 @@ def platform_info() -> dict:
         "machine": platform.node(),
         "system": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -63,6 +64,17 @@ def native_libraries() -> dict[str, str | None]:
 # CPU features a kernel's bits can depend on (x86 /proc/cpuinfo "flags", Arm "Features").
 ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
              "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "sve2", "bf16", "i8mm")
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name as the OS gives it (two CPUs with the same ISA tier may still round libm and MKL
+    differently); None where the OS does not say."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    line = re.search(r"^model name\s*:(.*)$", text, re.M)
+    return line.group(1).strip() if line else None
 
 
 def isa_flags() -> list[str] | None:
@@ -112,7 +124,8 @@ def platform_line(p: dict) -> str:
     """The platform of a result in one line, the GEMM tiers that ran included (their bits differ)."""
     tiers = ", ".join(f"{dtypes} {tier}" for dtypes, tier in p["gemm_tiers"].items())
     device = f", device {p['device']}" if p.get("device", "cpu") != "cpu" else ""
-    return (f"platform: {p['machine']}, {p['processor']} ({p['cpu_capability']}), {threads(p['threads'])}{device}, "
+    cpu = f"{p['cpu']} " if p.get("cpu") else ""
+    return (f"platform: {p['machine']}, {cpu}{p['processor']} ({p['cpu_capability']}), {threads(p['threads'])}{device}, "
             f"logdiff GEMM {tiers}")
 
 
