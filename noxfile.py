@@ -143,15 +143,30 @@ def train(session):
 
 @nox.session(python=PYTHON)
 def verl(session):
-    """verl 0.9.1's own metric functions against logdiff's on the same log-probs; writes results/<machine>/verl/.
+    """verl 0.9.1 as a trainer: its own metric functions against logdiff's, its actor engine's old-log-prob
+    recompute measured (tests/verl_compat), then the catalogue on verl's trainer paired with logdiff's engine
+    (`logdiff check --rollout reference --trainer verl`, C13 and C14 included) and, where `nox -s vllm` has made
+    its environment, with vLLM's; writes results/<machine>/verl/.
 
     verl pins transformers < 5.11 (pip picks one that also meets logdiff's >= 4.57); the constraints
-    file keeps its dependencies on this torch."""
+    file keeps its dependencies on this torch. One thread unless OMP_NUM_THREADS says otherwise."""
     session.install(TORCH)
     session.install("-c", "tests/verl_compat/constraints.txt", "verl==0.9.1", "-e", ".[test]")
     out = Path("results") / platform.node() / "verl"
     out.mkdir(parents=True, exist_ok=True)
-    session.run("pytest", "tests/verl_compat", "-v", *session.posargs, env={"LOGDIFF_VERL_RESULTS": str(out / "metrics.json")})
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    session.run("pytest", "tests/verl_compat", "-v", *session.posargs,
+                env={**env, "LOGDIFF_VERL_RESULTS": str(out / "metrics.json")})
+    session.run("logdiff", "check", "--rollout", "reference", "--trainer", "verl", "--out", str(out / "check-reference+verl"),
+                env=env, success_codes=[0, 1])
+    # verl x vLLM: vLLM's engine from `nox -s vllm`'s environment (its own pins), verl's trainer here.
+    vllm_python = Path(".nox/vllm/bin/python")
+    if vllm_python.is_file():
+        env.update(LOGDIFF_VLLM_PYTHON=str(vllm_python.resolve()), LOGDIFF_MAX_CHILDREN="4", LOGDIFF_REMOTE_TIMEOUT="300")
+        session.run("logdiff", "check", "--rollout", "vllm", "--trainer", "verl", "--workload-shrink-seconds", "0",
+                    "--out", str(out / "check-vllm+verl"), env=env, success_codes=[0, 1])
+    else:
+        session.warn("no .nox/vllm: run `nox -s vllm` first for verl x vLLM (results/<machine>/verl/check-vllm+verl)")
 
 
 @nox.session(python=PYTHON)
@@ -218,7 +233,7 @@ def vllm(session):
     # on seeded sampling with partial prefills took 8 min, and 30 s of it bought one step.
     generated = ["--workload-shrink-seconds", "0"]
     # exit 1: vLLM fails properties, which the session records (vllm-batch-invariant's engine declines on CPU: partial, 0)
-    for stack in ("vllm", "vllm-batch-invariant"):
+    for stack in ("vllm", "vllm+hf", "vllm-batch-invariant"):
         session.run("logdiff", "check", "--stack", stack, "--out", str(out / stack), *generated, env=env, success_codes=[0, 1])
     for dtype in ("fp32", "bf16"):
         base = out / "vllm" / f"run-{dtype}"

@@ -19,7 +19,7 @@ from itertools import groupby
 import torch
 import torch.nn.functional as F
 
-from logdiff.api import EngineOptions, Processing, RolloutOutput, Stack, Unsupported
+from logdiff.api import EngineOptions, Processing, RolloutOutput, Stack, TrainerLayout, Unsupported
 from logdiff.baselines.hf_capture import capture_hooks, capture_logprobs
 from logdiff.kernels.logsoftmax import scoring_temperature
 from logdiff.weights import own_weights
@@ -47,8 +47,13 @@ def build_hf_model(spec, dtype: torch.dtype, attention: str, experts: str | None
     return model
 
 
+DEFAULT_LAYOUT = TrainerLayout(padding="right")
+
+
 class HFStack(Stack):
     supports_capture = True
+    # A padded forward, as TRL and verl's padded path run it: right (default) or left, to the longest or beyond.
+    trainer_layouts = {"micro_batch": (None, 1, 2), "padding": ("right", "left"), "extra_padding": (0, 5)}
 
     def __init__(self, spec, dtype, max_model_len, attention: str = "sdpa", experts: str | None = None, name: str = "hf"):
         self.name = name
@@ -74,24 +79,49 @@ class HFStack(Stack):
     def sync_weights(self):
         pass  # `generate` runs on the trainer's own model: it already sees every update
 
-    def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, capture=None, processing=None):
-        ids, mask = _padded(sequences, left=False)
+    @torch.no_grad()
+    def load_weights(self, weights):
+        for name, param in self.trainer_parameters().items():
+            param.copy_(weights[name])
+
+    def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, capture=None, processing=None,
+                         layout: TrainerLayout | None = None):
+        layout = layout or DEFAULT_LAYOUT
+        if layout.padding not in self.trainer_layouts["padding"]:
+            raise Unsupported(f"the transformers trainer pads its batch (right or left), it does not pack ({layout.padding})")
+        if layout != DEFAULT_LAYOUT and capture is not None:
+            raise Unsupported("a capture follows the default layout (one right-padded forward); score with it to bisect")
         processing = processing or [Processing()] * len(sequences)
+        out: list[torch.Tensor | None] = [None] * len(sequences)
         with torch.set_grad_enabled(grad), capture_hooks(self.model, capture, list(range(len(sequences)))):
-            logits = self.model(input_ids=ids, attention_mask=mask).logits
-            out = []
-            for i, (s, first, temp, proc) in enumerate(zip(sequences, score_from, temperatures, processing)):
-                rows = logits[i, first - 1 : len(s) - 1].float()
-                if proc.logprobs_mode == "raw":
-                    pass  # log_softmax of the logits at temperature 1
-                elif proc.truncates and temp > 0:
-                    rows = _warpers(temp, proc)(ids[i : i + 1, :first], rows)
-                else:
-                    rows = rows / scoring_temperature(torch.tensor(temp))
-                target = torch.tensor(s[first:])
-                out.append(F.log_softmax(rows, dim=-1).gather(1, target[:, None]).squeeze(1).cpu())
+            for forward in layout.forwards([len(s) for s in sequences]):
+                scored = self._score([sequences[i] for i in forward], [score_from[i] for i in forward],
+                                     [temperatures[i] for i in forward], [processing[i] for i in forward], layout)
+                for i, logprobs in zip(forward, scored):
+                    out[i] = logprobs
         scored = [torch.arange(first - 1, len(s) - 1) for s, first in zip(sequences, score_from)]
         capture_logprobs(capture, list(range(len(sequences))), scored, out)
+        return out
+
+    def _score(self, sequences, score_from, temperatures, processing, layout: TrainerLayout) -> list[torch.Tensor]:
+        """One padded forward: position ids count each sequence's own tokens, as verl and TRL pass them, so a
+        left-padded sequence keeps its positions."""
+        left = layout.padding == "left"
+        ids, mask = _padded(sequences, left, layout.extra_padding)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        out = []
+        for i, (s, first, temp, proc) in enumerate(zip(sequences, score_from, temperatures, processing)):
+            start = ids.shape[1] - len(s) if left else 0
+            rows = logits[i, start + first - 1 : start + len(s) - 1].float()
+            if proc.logprobs_mode == "raw":
+                pass  # log_softmax of the logits at temperature 1
+            elif proc.truncates and temp > 0:
+                rows = _warpers(temp, proc)(torch.tensor([s[:first]]), rows)
+            else:
+                rows = rows / scoring_temperature(torch.tensor(temp))
+            target = torch.tensor(s[first:])
+            out.append(F.log_softmax(rows, dim=-1).gather(1, target[:, None]).squeeze(1).cpu())
         return out
 
     @torch.no_grad()
@@ -152,9 +182,9 @@ def _warpers(temperature: float, processing: Processing):
     return warpers
 
 
-def _padded(sequences, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask) [B, longest]: right-padded for the trainer, left-padded for generate."""
-    width = max(len(s) for s in sequences)
+def _padded(sequences, left: bool, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) [B, longest + extra]: right-padded for the trainer, left-padded for generate."""
+    width = max(len(s) for s in sequences) + extra
     ids = torch.zeros(len(sequences), width, dtype=torch.long)
     mask = torch.zeros(len(sequences), width, dtype=torch.long)
     for i, s in enumerate(sequences):

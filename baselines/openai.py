@@ -1,5 +1,6 @@
-"""`openai` and `openai+hf`: a running server that speaks the OpenAI-compatible completions API (vLLM,
-SGLang) as the rollout engine, with the trainer in the suite's process on the same checkpoint.
+"""`openai`: a running server that speaks the OpenAI-compatible completions API (vLLM, SGLang) as the rollout
+engine, paired with a trainer in the suite's process on the same checkpoint (the reference's; `openai+hf`,
+or `--rollout openai --trainer T`, for another).
 
 The server is named by `--server-url URL` (or env `LOGDIFF_SERVER_URL`, e.g. http://127.0.0.1:8000);
 the model it serves by env `LOGDIFF_SERVER_MODEL`, else the first id of its `GET /v1/models`. Start
@@ -123,8 +124,8 @@ def call(url: str, path: str, body: dict | None = None, timeout: float = DEFAULT
 class OpenAIStack(RemoteRollout):
     """A server's completions endpoint as the rollout engine."""
 
-    def __init__(self, spec, dtype, max_model_len, trainer: str = "reference", name: str = "openai"):
-        super().__init__(spec, dtype, max_model_len, trainer)
+    def __init__(self, spec, dtype, max_model_len, name: str = "openai"):
+        super().__init__(spec, dtype, max_model_len)
         self.name = name
         self.url = server_url()
         self.model = os.environ.get("LOGDIFF_SERVER_MODEL") or None
@@ -165,14 +166,9 @@ class OpenAIStack(RemoteRollout):
         return info
 
 
-def openai_stack(spec, dtype, max_model_len):
-    """an OpenAI-compatible completions server (--server-url) as rollout, logdiff's reference trainer"""
+def openai_rollout(spec, dtype, max_model_len):
+    """an OpenAI-compatible completions server (--server-url)"""
     return OpenAIStack(spec, dtype, max_model_len)
-
-
-def openai_hf_stack(spec, dtype, max_model_len):
-    """an OpenAI-compatible completions server (--server-url) as rollout, transformers forward as trainer"""
-    return OpenAIStack(spec, dtype, max_model_len, trainer="hf", name="openai+hf")
 
 
 def openai_unavailable() -> str | None:
@@ -181,5 +177,5 @@ def openai_unavailable() -> str | None:
     return None
 
 
-openai_stack.unavailable = openai_unavailable
-openai_hf_stack.unavailable = openai_unavailable
+openai_rollout.side = "rollout"
+openai_rollout.unavailable = openai_unavailable

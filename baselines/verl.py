@@ -167,9 +167,8 @@ class VerlTrainer(TrainerOnly):
     name = "verl"
     device = "cpu"
     trainer_layouts = {
-        "micro_batch": (1, 2, 4, None),  # any positive size is honoured
-        "padding": ("packed", "right"),
-        "extra_padding": (0,),
+        "micro_batch": (None, 1, 2, 4),  # any positive size is honoured
+        "padding": ("packed", "right"),  # verl pads to the longest in the micro-batch: no left or extra padding
         # any budget at least the longest sequence is honoured (verl asserts it); None: use_dynamic_bsz off
         "token_budget": (None, 512, 1024, 4096),
     }
@@ -352,4 +351,5 @@ def verl_trainer(spec, dtype, max_model_len, entropy: bool = True):
     return VerlTrainer(spec, dtype, max_model_len, entropy=entropy)
 
 
+verl_trainer.side = "trainer"
 verl_trainer.unavailable = verl_unavailable

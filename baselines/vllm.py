@@ -1,5 +1,6 @@
-"""`vllm`, `vllm+hf`, `vllm-batch-invariant` and `ascend`: vLLM's offline `LLM` engine as the rollout,
-in a child process (logdiff.remote), with the trainer in the suite's process.
+"""`vllm`, `vllm-batch-invariant` and `ascend`: vLLM's offline `LLM` engine as the rollout, in a child process
+(logdiff.remote), paired with a trainer in the suite's process (the reference's; `--trainer T` or `vllm+T` for
+another).
 
 The child runs `baselines/vllm_child.py` under the vLLM environment's python: `LOGDIFF_VLLM_PYTHON`
 (or `--vllm-python`), default the current interpreter. vLLM loads the suite's weights from
@@ -31,6 +32,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -112,11 +114,11 @@ def ascend_switches() -> tuple[dict[str, str], dict]:
 
 
 class VLLMStack(RemoteRollout):
-    """vLLM's offline engine in a child process; the trainer in this process."""
+    """vLLM's offline engine in a child process."""
 
-    def __init__(self, spec, dtype, max_model_len, trainer: str = "reference", name: str = "vllm",
-                 env: dict[str, str] | None = None, overrides: dict | None = None, device: str = "cpu"):
-        super().__init__(spec, dtype, max_model_len, trainer)
+    def __init__(self, spec, dtype, max_model_len, name: str = "vllm", env: dict[str, str] | None = None,
+                 overrides: dict | None = None, device: str = "cpu"):
+        super().__init__(spec, dtype, max_model_len)
         if dtype not in TORCH_DTYPE_NAMES:
             raise Unsupported(f"no vLLM dtype for {dtype}")
         self.name, self.device = name, device
@@ -124,6 +126,7 @@ class VLLMStack(RemoteRollout):
         self.python = vllm_python()
         self.children: dict[str, ChildProcess] = {}
         self.child: ChildProcess | None = None  # the one used last
+        self.synced: tempfile.TemporaryDirectory | None = None  # the weights of the last load_weights, for new engines
 
     def kwargs(self, options: EngineOptions, logprobs_mode: str = DEFAULT_LOGPROBS_MODE) -> dict:
         checkpoint = str(self.spec.checkpoint_dir(self.dtype))
@@ -142,8 +145,10 @@ class VLLMStack(RemoteRollout):
         kwargs = self.kwargs(options, logprobs_mode)
         key = json.dumps(kwargs, sort_keys=True)
         if key not in self.children:  # one engine per set of options; logdiff.remote caps how many run at once
+            # Callables over collective_rpc (the weight sync) are pickled: vLLM asks for this switch.
+            env = {**self.env, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
             self.children[key] = ChildProcess([self.python, str(CHILD)], f"vLLM engine ({self.name}, {describe_engine(kwargs)})",
-                                              env=self.env, init={"op": "init", "llm": kwargs})
+                                              env=env, init={"op": "init", "llm": kwargs, "weights": self._synced_file()})
         self.child = self.children[key]
         return self.child
 
@@ -183,6 +188,27 @@ class VLLMStack(RemoteRollout):
     def close(self) -> None:
         for child in self.children.values():
             child.close()
+
+    def load_weights(self, weights):
+        """Writes the weights as a checkpoint's tensors to a file every engine of this stack loads in place through
+        vLLM's `model.load_weights` (the running ones now, one started later at its start)."""
+        from safetensors.torch import save_file
+
+        from logdiff.weights import checkpoint_state
+
+        if self.synced is None:
+            self.synced = tempfile.TemporaryDirectory(prefix="logdiff-vllm-weights-")
+        path = Path(self.synced.name) / "weights.safetensors"
+        partial = path.with_suffix(".partial")
+        save_file(checkpoint_state(weights, self.spec.config()), str(partial))
+        partial.replace(path)
+        for child in self.children.values():
+            child.init["weights"] = str(path)
+            if child.alive:
+                child.call({"op": "load_weights", "path": str(path)})
+
+    def _synced_file(self) -> str | None:
+        return str(Path(self.synced.name) / "weights.safetensors") if self.synced else None
 
     def remote_rollout(self, requests, options):
         modes = {r.logprobs_mode for r in requests}
@@ -238,24 +264,19 @@ def ascend_unavailable() -> str | None:
     return None
 
 
-def vllm_stack(spec, dtype, max_model_len):
-    """vLLM offline engine (child process) as rollout, logdiff's reference trainer"""
-    return VLLMStack(spec, dtype, max_model_len, trainer="reference", name="vllm")
+def vllm_rollout(spec, dtype, max_model_len):
+    """vLLM offline engine (child process)"""
+    return VLLMStack(spec, dtype, max_model_len, name="vllm")
 
 
-def vllm_hf_stack(spec, dtype, max_model_len):
-    """vLLM offline engine (child process) as rollout, transformers forward as trainer"""
-    return VLLMStack(spec, dtype, max_model_len, trainer="hf", name="vllm+hf")
-
-
-def vllm_batch_invariant_stack(spec, dtype, max_model_len):
-    """vLLM with VLLM_BATCH_INVARIANT=1 (Triton kernels: declined on CPU), reference trainer"""
+def vllm_batch_invariant_rollout(spec, dtype, max_model_len):
+    """vLLM with VLLM_BATCH_INVARIANT=1 (Triton kernels: declined on CPU)"""
     env, overrides = batch_invariant_switches()
     return VLLMStack(spec, dtype, max_model_len, name="vllm-batch-invariant", env=env, overrides=overrides)
 
 
-def ascend_stack(spec, dtype, max_model_len):
-    """verl-ascend-recipe true_on_policy: vllm-ascend with the recipe's switches on an NPU, reference trainer"""
+def ascend_rollout(spec, dtype, max_model_len):
+    """verl-ascend-recipe true_on_policy: vllm-ascend with the recipe's switches on an NPU"""
     reason = ascend_unavailable()
     if reason:
         raise Unsupported(reason)
@@ -263,6 +284,7 @@ def ascend_stack(spec, dtype, max_model_len):
     return VLLMStack(spec, dtype, max_model_len, name="ascend", env=env, overrides=overrides, device="npu:0")
 
 
-for _factory in (vllm_stack, vllm_hf_stack, vllm_batch_invariant_stack):
-    _factory.unavailable = vllm_unavailable
-ascend_stack.unavailable = ascend_unavailable
+for _factory in (vllm_rollout, vllm_batch_invariant_rollout, ascend_rollout):
+    _factory.side = "rollout"
+vllm_rollout.unavailable = vllm_batch_invariant_rollout.unavailable = vllm_unavailable
+ascend_rollout.unavailable = ascend_unavailable

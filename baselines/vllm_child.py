@@ -4,7 +4,8 @@ the standard library, torch and vllm (never logdiff, whose dependencies may diff
 Protocol (logdiff.remote.ChildProcess): one JSON line per request on stdin, one per reply on the real
 stdout. fd 1 is duplicated for the replies and then pointed at stderr, so nothing vLLM prints can corrupt
 the channel.
-  {"op": "init", "llm": {LLM kwargs}}                        -> {"ok": true, "seconds", "vllm"}
+  {"op": "init", "llm": {LLM kwargs}, "weights": path?}     -> {"ok": true, "seconds", "vllm"}
+  {"op": "load_weights", "path": safetensors file}          -> {"ok": true, "seconds"}
   {"op": "generate", "requests": [{"prompt": [ids], "arrival": step, "params": {SamplingParams kwargs}}]}
                                                                -> {"ok": true, "tokens": [[..]], "logprobs": [[..]]}
   {"op": "score", "prompts": [[ids]]}                        -> {"ok": true, "prompt_logprobs": [[None, ..]]}
@@ -63,7 +64,13 @@ def serve() -> None:
                 from vllm import LLM
 
                 llm = LLM(**message["llm"])
+                if message.get("weights"):  # an engine (re)started after a weight sync runs the synced weights
+                    load_weights(llm, message["weights"])
                 reply = {"ok": True, "seconds": time.perf_counter() - start, "vllm": _version()}
+            elif op == "load_weights":
+                start = time.perf_counter()
+                load_weights(llm, message["path"])
+                reply = {"ok": True, "seconds": time.perf_counter() - start}
             elif op == "generate":
                 reply = {"ok": True, **generate(llm, message["requests"])}
             elif op == "score":
@@ -73,8 +80,24 @@ def serve() -> None:
             else:
                 reply = {"ok": False, "error": f"unknown op {op!r}"}
         except Exception as e:  # reported; a failed engine is restarted by the parent
-            reply = {"ok": False, "error": f"{type(e).__name__}: {e}", "fatal": op in ("init", "generate", "score")}
+            fatal = op in ("init", "generate", "score", "load_weights")
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}", "fatal": fatal}
         channel.write(json.dumps(reply) + "\n")
+
+
+def load_weights(llm, path: str) -> None:
+    """The weights in `path` (checkpoint names and layout) into the running model in place, through vLLM's own
+    in-place reload in each worker (`Worker.reload_weights(weights_iterator=...)` over `collective_rpc`, the
+    path RL frameworks' weight sync takes), then the prefix cache dropped: its KV came from the old weights.
+    (`model.load_weights` alone fails on the CPU: its linear layers have repacked their weights for oneDNN.)"""
+    llm.collective_rpc(_reload_in_worker, args=(path,))
+    llm.reset_prefix_cache()
+
+
+def _reload_in_worker(worker, path: str) -> None:
+    from safetensors.torch import load_file
+
+    worker.reload_weights(weights_iterator=iter(load_file(path).items()), is_checkpoint_format=True)
 
 
 def _version() -> str:

@@ -21,6 +21,8 @@ CATALOGUE = {
     "C10": "sampling: temperature applied identically, seeded sampling batch-invariant",
     "C11": "trainer is differentiable and its backward is deterministic",
     "C12": "dtype coverage: fp32, bf16, fp16",
+    "C13": "trainer layout invariance: micro-batch size, padding side and amount, packed vs padded, token budget",
+    "C14": "update and reload: rollout = trainer after a step and sync, a checkpoint reloads the same bits, lr 0 changes none",
     "C15": "log-prob semantics: top-k/top-p/min-p truncation, processed and raw modes, rollout = trainer per mode",
 }
 

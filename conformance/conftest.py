@@ -6,6 +6,7 @@ import pytest
 from logdiff.conformance.plugin import (  # noqa: F401 (pytest finds hooks and fixtures by name here)
     fresh_for,
     oracle_for,
+    own_for,
     parallel_options,
     pytest_addoption,
     pytest_collection_modifyitems,

@@ -81,7 +81,7 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     name = config.getoption("--stack")
     try:
-        stacks.resolve(name)
+        stacks.resolve_whole(name)
     except UserError as e:
         raise pytest.UsageError(str(e)) from None
     try:
@@ -227,6 +227,9 @@ def pytest_report_header(config):
     if versions:
         lines.append("  versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     describe.pop("name", None)
+    if "rollout" in describe and "trainer" in describe:  # a pair: each side's line
+        lines.append("  " + report.kernels_line(info["stack"], describe))
+        describe = {}
     kernels = describe.pop("kernels", None)
     if describe:
         lines.append("  " + ", ".join(f"{k}: {v}" for k, v in describe.items()))
@@ -290,6 +293,19 @@ def stack_for(request, stack_builder):
 def trainer_for(request, pytestconfig):
     """trainer_for(workload) -> a second instance of the stack under test, for its trainer side."""
     return _remembering(request, _builder(pytestconfig, "trainer"))
+
+
+@pytest.fixture
+def own_for(request, pytestconfig):
+    """own_for(workload) -> a new instance of the stack under test for this call alone, never cached: for tests
+    that change its weights (C14)."""
+
+    def get(workload: Workload) -> Stack:
+        workload = on_model(pytestconfig, workload)
+        factory = stacks.resolve_whole(pytestconfig.getoption("--stack"))
+        return factory(workload.spec, workload.torch_dtype, model_len_for(workload))
+
+    return _remembering(request, get)
 
 
 @pytest.fixture

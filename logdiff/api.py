@@ -114,6 +114,27 @@ class TrainerLayout:
     extra_padding: int = 0
     token_budget: int | None = None
 
+    def describe(self) -> str:
+        """'micro-batch 2, right padding +5, token budget 512 per forward'."""
+        padding = self.padding if self.padding == "packed" else f"{self.padding} padding +{self.extra_padding}"
+        budget = f", token budget {self.token_budget} per forward" if self.token_budget else ""
+        return f"micro-batch {self.micro_batch or 'all'}, {padding}{budget}"
+
+    def forwards(self, lengths: Sequence[int]) -> list[list[int]]:
+        """The sequences (indices, in order) each forward holds: `micro_batch` at a time, a forward closed early
+        when the next sequence would take it past `token_budget` (a longer sequence goes alone)."""
+        forwards: list[list[int]] = [[]]
+        tokens = 0
+        for i, length in enumerate(lengths):
+            full = self.micro_batch is not None and len(forwards[-1]) == self.micro_batch
+            over = self.token_budget is not None and tokens + length > self.token_budget
+            if forwards[-1] and (full or over):
+                forwards.append([])
+                tokens = 0
+            forwards[-1].append(i)
+            tokens += length
+        return forwards
+
 
 @dataclass(frozen=True)
 class TrainerInputs:
@@ -160,8 +181,9 @@ class Stack(ABC):
       supports_capture  `rollout` and `trainer_logprobs` take `capture=` (`logdiff bisect` needs it)
       parallel_degrees  {"tp": tensor-parallel degrees, "ep": expert-parallel degrees} that `parallel`
                         accepts (conformance C8); (1,) each: the stack runs in one process only
-      trainer_layouts   {TrainerLayout field: the values its trainer honours} (conformance C13); a stack
-                        that names any takes `layout: TrainerLayout | None` in `trainer_logprobs`
+      trainer_layouts   {TrainerLayout field: the values its trainer honours, its default first} (conformance
+                        C13); a stack that names any takes `layout: TrainerLayout | None` in `trainer_logprobs`
+                        (None: its default layout); token budgets are taken at or above the longest sequence
 
     Isolation is of state, not of weight bytes: the trainer and the rollout engine may read the same
     read-only weight tensors (a checkpoint mapped once), but neither may read what the other computed
@@ -223,6 +245,13 @@ class Stack(ABC):
         nothing to do."""
         raise Unsupported(f"stack {self.name} cannot load its trainer's updated weights into its rollout engine (sync_weights)")
 
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Optional (conformance C14 for a pair `R+T`): the rollout engine takes these weights in place, through
+        its own weight-update path (vLLM's `model.load_weights` in its worker), named as `trainer_parameters`
+        names them (the transformers model's parameter names); what `PairedStack.sync_weights` calls with the
+        other stack's trainer parameters."""
+        raise Unsupported(f"stack {self.name}'s rollout engine cannot take new weights in place (load_weights)")
+
     def parallel(self, trainer_tp: int = 1, rollout_tp: int = 1, ep: int = 1) -> Stack:
         """Optional (conformance C8, `logdiff run --tp/--ep`): this stack with its trainer sharded over
         `trainer_tp` tensor-parallel ranks, its rollout engine over `rollout_tp`, the experts of both over
@@ -238,14 +267,16 @@ class Stack(ABC):
 
 class TrainerOnly(Stack):
     """A trainer registered alone (e.g. an RL framework's actor): it runs paired with a rollout engine,
-    `--trainer NAME --rollout R`."""
+    `--trainer NAME --rollout R`. Its factory says so with `factory.side = "trainer"`, so that the suite
+    refuses it alone before building it."""
 
     def rollout(self, requests, options=EngineOptions()):
         raise Unsupported(f"{self.name} is a trainer only: pair it with a rollout engine (--trainer {self.name} --rollout NAME)")
 
 
 class RolloutOnly(Stack):
-    """A rollout engine registered alone: it runs paired with a trainer, `--rollout NAME --trainer T`."""
+    """A rollout engine registered alone: it runs paired with a trainer, `--rollout NAME --trainer T`; its
+    factory sets `factory.side = "rollout"`."""
 
     def trainer_logprobs(self, sequences, score_from, temperatures, grad=False):
         raise Unsupported(f"{self.name} is a rollout engine only: pair it with a trainer (--rollout {self.name} --trainer NAME)")

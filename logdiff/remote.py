@@ -11,9 +11,9 @@ wedge or die on a bad request. So it runs elsewhere:
                     it), its stderr goes to a log file, and a dead child is started again on the next call.
                     At most `LOGDIFF_MAX_CHILDREN` (default 2) run at once: starting another closes the one
                     used least recently (it starts again when asked). All are closed at exit.
-  `RemoteRollout`   a `Stack` whose `rollout` asks `remote_rollout` for (tokens, log-probs) lists and whose
-                    trainer is a built-in stack's trainer in this process ("reference" or "hf"), built on
-                    first use: a trainer instance of the stack never starts an engine.
+  `RemoteRollout`   a rollout engine (`RolloutOnly`) whose `rollout` asks `remote_rollout` for (tokens,
+                    log-probs) lists; it runs paired with a trainer in this process (`--rollout vllm
+                    --trainer hf`, `logdiff.stacks.PairedStack`). An engine starts on its first rollout.
 
 fp32 log-probs travel exactly: a child sends each as a Python float (a double holding the fp32 value),
 JSON writes its shortest round-trip repr, and `torch.tensor(..., dtype=float32)` gets the same bits back.
@@ -38,7 +38,7 @@ from typing import Sequence
 
 import torch
 
-from logdiff.api import EngineOptions, Request, RolloutOutput, Stack, processing_kwargs
+from logdiff.api import EngineOptions, Request, RolloutOnly, RolloutOutput
 from logdiff.errors import UserError
 from logdiff.report import progress
 
@@ -239,34 +239,14 @@ def validate_prompts(requests: Sequence[Request], vocab_size: int) -> None:
             raise UserError(f"request {i} asks for {r.max_new_tokens} new tokens; an engine generates 1 or more")
 
 
-class RemoteRollout(Stack):
-    """A stack whose rollout engine runs outside this process; subclasses implement `remote_rollout`.
+class RemoteRollout(RolloutOnly):
+    """A rollout engine outside this process, on the checkpoint of `spec` in `dtype` (the weights every stack of
+    the spec builds); subclasses implement `remote_rollout`. It runs paired with a trainer here
+    (`logdiff.stacks.paired`)."""
 
-    `trainer`: the built-in stack whose trainer scores the rollout here ("reference": logdiff's trainer,
-    "hf": the transformers forward), on `spec.build(dtype)`'s weights: the same the engine loads from
-    `spec.checkpoint_dir(dtype)`.
-    """
-
-    def __init__(self, spec, dtype: torch.dtype, max_model_len: int, trainer: str = "reference"):
+    def __init__(self, spec, dtype: torch.dtype, max_model_len: int):
         self.spec, self.dtype, self.max_model_len = spec, dtype, max_model_len
-        self.trainer_name = trainer
-        self._trainer: Stack | None = None
         self.vocab_size = spec.config().vocab_size
-
-    @property
-    def trainer(self) -> Stack:
-        if self._trainer is None:
-            from logdiff import stacks
-
-            self._trainer = stacks.build(self.trainer_name, self.spec, self.dtype, self.max_model_len)
-        return self._trainer
-
-    def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, processing=None):
-        return self.trainer.trainer_logprobs(sequences, score_from, temperatures, grad=grad,
-                                             **processing_kwargs(self.trainer, self.trainer.trainer_logprobs, processing))
-
-    def trainer_parameters(self):
-        return self.trainer.trainer_parameters()
 
     def rollout(self, requests, options: EngineOptions = EngineOptions()) -> list[RolloutOutput]:
         requests = list(requests)
@@ -301,15 +281,6 @@ class RemoteRollout(Stack):
 
     def __exit__(self, *exc):
         self.close()
-
-    def describe(self) -> dict:
-        info = super().describe()
-        info["trainer"] = self.trainer_name
-        kernels = self.trainer.describe().get("kernels")
-        if kernels:
-            info["trainer_kernels"] = kernels
-        return info
-
 
 def wait_for_idle(cpu_seconds, window_s: float, timeout_s: float, sleep=time.sleep, clock=time.monotonic) -> int:
     """Sleeps window after window until `cpu_seconds()` grew by less than a tenth of a window over one, or

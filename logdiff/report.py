@@ -144,18 +144,19 @@ def provenance_line(p: dict) -> str:
 
 def kernels_line(name: str, describe: dict) -> str:
     """What a stack ran, in one line, from its `describe()`: a kernel set's GEMM, attention paths and the
-    alignments switched off; another stack's own settings (attention implementation, engine switches) and,
-    for a rollout engine elsewhere, the kernels of the trainer that scores it here."""
+    alignments switched off; another stack's own settings (attention implementation, engine switches); for a
+    pair (`R+T`), each side's line."""
+    sides = describe.get("rollout"), describe.get("trainer")
+    if all(isinstance(side, dict) for side in sides):
+        lines = [f"{path} = {kernels_line(side['name'], side)}" for path, side in zip(("rollout", "trainer"), sides)]
+        return f"{name}: " + " | ".join(lines)
     kernels = describe.get("kernels")
     if kernels:
         off = ", ".join(kernels["switched_off"]) or "none"
         aligned = f"; alignments off: {off}" if kernels["alignments"] is not None else "; alignments: not a reference kernel set"
         return (f"{name}: ran GEMM {kernels['gemm']}; attention trainer {kernels['attention']['trainer']}, "
                 f"rollout {kernels['attention']['rollout']}{aligned}")
-    settings = [f"{k} {_setting(v)}" for k, v in describe.items() if k not in ("name", "versions", "trainer_kernels")]
-    trainer = describe.get("trainer_kernels")
-    if trainer:
-        settings.append(f"its trainer's GEMM {trainer['gemm']}, attention {trainer['attention']['trainer']}")
+    settings = [f"{k} {_setting(v)}" for k, v in describe.items() if k not in ("name", "versions")]
     return f"{name}: ran " + ("; ".join(settings) or "no settings reported")
 
 

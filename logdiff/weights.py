@@ -296,8 +296,17 @@ def save_checkpoint(model: Qwen3ForCausalLM, path: str | os.PathLike) -> None:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     c = model.config
+    save_file(checkpoint_state(model.state_dict(), c), str(path / "model.safetensors"))
+    # transformers 5 reads "dtype", older versions and vLLM "torch_dtype"; both take torch's names only.
+    name = TORCH_DTYPE_NAMES[model.dtype]
+    (path / "config.json").write_text(json.dumps({**c.to_hf_dict(), "dtype": name, "torch_dtype": name}, indent=2))
+
+
+def checkpoint_state(weights: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.Tensor]:
+    """The model's weights (its parameter names, fused experts) as a checkpoint stores them: one tensor per expert
+    and projection, no tied lm_head."""
     state = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in weights.items():
         if name.endswith("experts.gate_up_proj"):
             prefix = name[: -len(".gate_up_proj")]
             gate, up = tensor.chunk(2, dim=1)
@@ -310,7 +319,4 @@ def save_checkpoint(model: Qwen3ForCausalLM, path: str | os.PathLike) -> None:
                 state[f"{prefix}.{e}.down_proj.weight"] = tensor[e].contiguous()
         elif not (c.tie_word_embeddings and name == "lm_head.weight"):
             state[name] = tensor.contiguous()
-    save_file(state, str(path / "model.safetensors"))
-    # transformers 5 reads "dtype", older versions and vLLM "torch_dtype"; both take torch's names only.
-    name = TORCH_DTYPE_NAMES[model.dtype]
-    (path / "config.json").write_text(json.dumps({**c.to_hf_dict(), "dtype": name, "torch_dtype": name}, indent=2))
+    return state

@@ -292,3 +292,29 @@ class SamplerIgnoresTruncationStack(KernelStack):
 
 def sampler_ignores_truncation(spec, dtype, max_model_len):
     return SamplerIgnoresTruncationStack(spec, dtype, max_model_len, reference_kernels(name="sampler-ignores-truncation"))
+
+
+class StaleSyncStack(KernelStack):
+    """an engine that keeps the weights it started with: its weight sync does nothing"""
+
+    def sync_weights(self):
+        self._own_weights()
+
+
+def stale_sync(spec, dtype, max_model_len):
+    return StaleSyncStack(spec, dtype, max_model_len, reference_kernels(name="stale-sync"))
+
+
+class LossySyncStack(KernelStack):
+    """a weight sync through bf16 (a wire dtype below the model's): an fp32 engine runs a rounding away from its
+    trainer after every sync, a step at learning rate 0 included"""
+
+    @torch.no_grad()
+    def sync_weights(self):
+        super().sync_weights()
+        for param in self.engine_model.parameters():
+            param.copy_(param.to(torch.bfloat16))
+
+
+def lossy_sync(spec, dtype, max_model_len):
+    return LossySyncStack(spec, dtype, max_model_len, reference_kernels(name="lossy-sync"))

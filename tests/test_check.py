@@ -88,7 +88,7 @@ def test_passing_property_exits_0_with_green_badges_under_logdiff_out(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--stack", "no-such-stack"], "unknown stack 'no-such-stack'"),
-    (["--stack", "reference", "--property", "C13"], "unknown property 'C13'; choose from C0, C1"),
+    (["--stack", "reference", "--property", "C16"], "unknown property 'C16'; choose from C0, C1"),
     (["--stack", "reference", "--xfails-file", "no/such/file.txt"], "--xfails-file no/such/file.txt is not a file"),
     (["--stack", "reference", "--out", "pyproject.toml"], "--out pyproject.toml exists and is not a directory"),
     (["--stack", "reference", "--layers", "1"], "--layers cuts the model --model names; pass --model"),

@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 
+from logdiff import stacks
 from logdiff.api import EngineOptions, Processing, Request, Unsupported
 from logdiff.baselines import vllm as vllm_adapter
 from logdiff.baselines.openai import OpenAIStack
@@ -38,7 +39,7 @@ FAKE_CHILD = textwrap.dedent("""
             print(json.dumps({"ok": False, "error": "ValueError: bad"}), flush=True)
             continue
         if op == "init":
-            print(json.dumps({"ok": True, "pid": os.getpid(), "init": m.get("llm")}), flush=True)
+            print(json.dumps({"ok": True, "pid": os.getpid(), "init": m.get("llm"), "weights": m.get("weights")}), flush=True)
             continue
         if op == "generate":  # a stand-in engine: token k of request i is (prompt[0] + k) % 7, log-prob -1/(k+3)
             rs = m["requests"]
@@ -154,7 +155,8 @@ def test_remote_rollout_keeps_fp32_bits_and_checks_token_ids():
     assert torch.equal(torch.tensor(json.loads(json.dumps([float(value)])), dtype=torch.float32), value[None])
     with pytest.raises(UserError, match="token id 1024 outside the vocabulary"):
         stack.rollout([Request((1, 1024), 3)])
-    assert stack._trainer is None  # the trainer is built on first use only
+    with pytest.raises(Unsupported, match="constant is a rollout engine only: pair it with a trainer"):
+        stack.trainer_logprobs([[1, 2]], [1], [0.0])
 
 
 @pytest.mark.parametrize("page", [32, 64, 128, 256])
@@ -223,7 +225,7 @@ def test_ascend_switches_read_back():
 @pytest.mark.skipif(vllm_adapter.ascend_unavailable() is None, reason="an Ascend host")
 def test_ascend_declines_off_an_ascend_host():
     with pytest.raises(Unsupported, match="torch_npu is not installed"):
-        vllm_adapter.ascend_stack(ModelSpec("qwen3-moe-tiny"), torch.float32, 256)
+        vllm_adapter.ascend_rollout(ModelSpec("qwen3-moe-tiny"), torch.float32, 256)
     out = subprocess.run([sys.executable, "-m", "logdiff", "list"], capture_output=True, text=True)
     line = next(line for line in out.stdout.splitlines() if line.startswith("ascend "))
     assert "no: torch_npu is not installed" in line
@@ -233,10 +235,12 @@ def test_vllm_adapter_through_a_stand_in_child(fake_child, monkeypatch, tmp_path
     monkeypatch.setattr(vllm_adapter, "CHILD", fake_child)
     monkeypatch.setenv("LOGDIFF_CACHE", str(tmp_path / "cache"))
     spec = ModelSpec("qwen3-dense-tiny")
-    trainer_side = vllm_adapter.vllm_stack(spec, torch.float32, 256)
+    trainer_side = stacks.build("vllm", spec, torch.float32, 256)
     trainer_side.trainer_logprobs([[1, 2, 3]], [1], [0.0])
-    assert trainer_side.child is None  # a trainer instance never starts an engine
-    stack = vllm_adapter.vllm_stack(spec, torch.float32, 256)
+    assert trainer_side.rollout_side.child is None  # a trainer instance never starts an engine
+    paired = stacks.build("vllm", spec, torch.float32, 256)
+    assert paired.trainer_side.name == "reference" and stacks.build("vllm+hf", spec, torch.float32, 256).trainer_side.name == "hf"
+    stack = paired.rollout_side
     out = stack.rollout([Request((3, 1), 4), Request((5,), 2, temperature=1.0, seed=9)])
     assert out[0].tokens == [3, 4, 5, 6] and out[1].tokens == [5, 6]
     assert torch.equal(out[0].logprobs, torch.tensor([-1 / 3, -1 / 4, -1 / 5, -1 / 6], dtype=torch.float32))
@@ -251,6 +255,28 @@ def test_vllm_adapter_through_a_stand_in_child(fake_child, monkeypatch, tmp_path
     assert stack.child.init_reply["pid"] == first and len(stack.children) == 2
     stack.close()
     assert not any(c.alive for c in stack.children.values())
+
+
+def test_vllm_weight_sync_reaches_running_and_later_engines(fake_child, monkeypatch, tmp_path):
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(vllm_adapter, "CHILD", fake_child)
+    monkeypatch.setenv("LOGDIFF_CACHE", str(tmp_path / "cache"))
+    spec = ModelSpec("qwen3-moe-tiny")
+    pair = stacks.build("vllm", spec, torch.float32, 256)
+    engine = pair.rollout_side
+    engine.rollout([Request((3,), 1)])
+    assert engine.child.init_reply["weights"] is None and engine.child.env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+    pair.sync_weights()  # the reference trainer's weights, through the engine's load_weights
+    running = engine.child
+    path = running.init["weights"]
+    saved = load_file(path)
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in saved and "lm_head.weight" in saved
+    trainer = pair.trainer_parameters()
+    assert torch.equal(saved["model.layers.0.mlp.experts.7.down_proj.weight"], trainer["model.layers.0.mlp.experts.down_proj"][7])
+    engine.rollout([Request((3,), 1)], EngineOptions(page_size=64))  # an engine started after the sync loads it
+    assert engine.child is not running and engine.child.init_reply["weights"] == path
+    engine.close()
 
 
 AMX_PERMISSION = """

@@ -8,6 +8,7 @@ from logdiff.cli.options import (
     add_device_arg,
     add_engine_args,
     add_layers_arg,
+    add_pair_args,
     add_parallel_args,
     add_processing_args,
     add_threads_arg,
@@ -25,6 +26,7 @@ def add(sub) -> None:
     p.add_argument("--stack", action="append", dest="stacks", metavar="NAME",
                    help=f"stack to time, repeatable (default: {', '.join(BENCH_STACKS)}); "
                         "the first is the numerator of every ratio")
+    add_pair_args(p)
     p.add_argument("--model", default="qwen3-moe-small", help="named config or checkpoint directory (default qwen3-moe-small)")
     add_layers_arg(p)
     p.add_argument("--dtype", default="bf16", help="fp32, bf16 or fp16 (default bf16)")

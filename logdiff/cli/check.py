@@ -19,16 +19,26 @@ from dataclasses import asdict
 from pathlib import Path
 
 from logdiff import report, stacks
-from logdiff.cli.options import add_device_arg, add_engine_args, add_layers_arg, add_threads_arg, apply_engine_args, exit_status
+from logdiff.cli.options import (
+    add_device_arg,
+    add_engine_args,
+    add_layers_arg,
+    add_pair_args,
+    add_threads_arg,
+    apply_engine_args,
+    exit_status,
+)
 from logdiff.errors import UserError
 from logdiff.weights import check_model_option
 
 
 def add(sub) -> None:
     p = sub.add_parser(
-        "check", help="run the conformance catalogue (C0-C12, C15) on one stack; exit 1 if a property fails, 2 if none could run",
+        "check", help="run the conformance catalogue (C0-C15) on one stack; exit 1 if a property fails, 2 if none could run",
     )
-    p.add_argument("--stack", required=True, metavar="NAME", help="the stack: built-in name, module:attr or entry point")
+    p.add_argument("--stack", metavar="NAME",
+                   help="the stack: built-in name, module:attr, entry point, or a pair ROLLOUT+TRAINER (or --rollout/--trainer)")
+    add_pair_args(p)
     p.add_argument("--model", metavar="NAME|DIR",
                    help="run every workload on this model (named config or checkpoint directory) instead of its own")
     add_layers_arg(p)

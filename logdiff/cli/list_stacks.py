@@ -25,7 +25,7 @@ def cmd_list(args) -> int:
     rows += [{"stack": name, "what it is": f"plugin {target}", "available": "yes"}
              for name, target in stacks.plugin_stacks().items()]
     print(report.table(rows))
-    print()
+    print("\nAny two pair up: --rollout R --trainer T (or the stack R+T) runs R's rollout engine against T's trainer.\n")
     models = [
         {"model": c.name, "layers": c.num_hidden_layers, "hidden": c.hidden_size,
          "heads q/kv": f"{c.num_attention_heads}/{c.num_key_value_heads}", "head_dim": c.head_dim,

@@ -10,7 +10,7 @@ import torch
 
 from logdiff import devices
 from logdiff.cli import analyze, bench, bisect, capture, check, list_stacks, run, train
-from logdiff.cli.options import EXIT_CODES, Parser, threads_from_args
+from logdiff.cli.options import EXIT_CODES, Parser, apply_pair_args, threads_from_args
 from logdiff.errors import UserError
 
 COMMANDS = (run, list_stacks, analyze, bisect, capture, check, bench, train)
@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        if hasattr(args, "rollout"):
+            apply_pair_args(args)
         if not hasattr(args, "threads"):
             return args.func(args)
         before = torch.get_num_threads()

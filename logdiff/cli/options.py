@@ -80,9 +80,9 @@ def exit_status(verdicts) -> int:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Where the out-of-process stacks find their engine (they read the environment variables named)."""
     p.add_argument("--server-url", metavar="URL",
-                   help="stacks openai, openai+hf: the OpenAI-compatible server to score (env LOGDIFF_SERVER_URL)")
+                   help="rollout openai: the OpenAI-compatible server to score (env LOGDIFF_SERVER_URL)")
     p.add_argument("--vllm-python", metavar="PATH",
-                   help="stacks vllm*: the python of the environment that has vLLM (env LOGDIFF_VLLM_PYTHON; "
+                   help="rollouts vllm*: the python of the environment that has vLLM (env LOGDIFF_VLLM_PYTHON; "
                         "default this interpreter)")
 
 
@@ -93,11 +93,37 @@ def apply_engine_args(args) -> None:
         os.environ["LOGDIFF_VLLM_PYTHON"] = args.vllm_python
 
 
+def add_pair_args(p: argparse.ArgumentParser) -> None:
+    """`--rollout R --trainer T`: one stack's rollout engine against another's trainer (the stack `R+T`)."""
+    p.add_argument("--rollout", metavar="NAME",
+                   help="pair this stack's rollout engine (e.g. vllm, hf, openai, reference) with --trainer's trainer "
+                        "on the same weights (default reference when only --trainer is given)")
+    p.add_argument("--trainer", metavar="NAME",
+                   help="pair this stack's trainer (e.g. verl, hf, baseline, reference) with --rollout's engine "
+                        "(default reference when only --rollout is given)")
+
+
+def apply_pair_args(args) -> None:
+    """Adds `--rollout R --trainer T` to the stacks a command runs, as the stack `R+T`."""
+    if not (args.rollout or args.trainer):
+        if hasattr(args, "stack") and not args.stack:
+            raise UserError("no stack to check: pass --stack NAME, or --rollout R --trainer T")
+        return
+    name = stacks.pair_name(args.rollout or "reference", args.trainer or "reference")
+    if hasattr(args, "stacks"):
+        args.stacks = (args.stacks or []) + [name]
+    elif args.stack:
+        raise UserError(f"pass either --stack {args.stack} or --rollout/--trainer ({name}), not both")
+    else:
+        args.stack = name
+
+
 def add_workload_args(p: argparse.ArgumentParser, stacks_default=RUN_STACKS) -> None:
     d = Workload()
     p.add_argument("--stack", action="append", dest="stacks", metavar="NAME",
-                   help=f"stack to test, repeatable: built-in, module:attr, entry point, or all (every built-in) "
-                        f"(default: {', '.join(stacks_default)})")
+                   help=f"stack to test, repeatable: built-in, module:attr, entry point, a pair ROLLOUT+TRAINER, or all "
+                        f"(every built-in) (default: {', '.join(stacks_default)})")
+    add_pair_args(p)
     p.add_argument("--model", default=d.model, help=f"named config or checkpoint directory (default {d.model})")
     add_layers_arg(p)
     p.add_argument("--dtype", default=d.dtype, help="fp32, bf16 or fp16 (default fp32)")

@@ -10,6 +10,7 @@ from logdiff.api import Unsupported
 from logdiff.cli.options import (
     add_device_arg,
     add_layers_arg,
+    add_pair_args,
     add_processing_args,
     add_threads_arg,
     exit_status,
@@ -27,6 +28,7 @@ def add(sub) -> None:
     p = sub.add_parser("train", help="a small GRPO loop per stack: does its train-inference mismatch drive off-policy drift?")
     p.add_argument("--stack", action="append", dest="stacks", metavar="NAME",
                    help=f"stack to train, repeatable (default: {', '.join(TRAIN_STACKS)})")
+    add_pair_args(p)
     p.add_argument("--model", default=d.model, help=f"named config or checkpoint directory (default {d.model})")
     add_layers_arg(p)
     p.add_argument("--dtype", default=d.dtype, help=f"fp32, bf16 or fp16 (default {d.dtype})")

@@ -117,9 +117,9 @@ def test_openai_timeout(server):
 
 
 def test_vllm_batch_invariant_is_declined_on_cpu():
-    from logdiff.baselines.vllm import vllm_batch_invariant_stack
+    from logdiff.baselines.vllm import vllm_batch_invariant_rollout
 
-    stack = vllm_batch_invariant_stack(ModelSpec("qwen3-dense-tiny"), torch.float32, 256)
+    stack = vllm_batch_invariant_rollout(ModelSpec("qwen3-dense-tiny"), torch.float32, 256)
     with pytest.raises(Unsupported, match="Triton has no CPU backend.*the engine failed: .+") as e:
         stack.rollout([Request((1, 2, 3), 2)])
     print(e.value)
@@ -128,11 +128,11 @@ def test_vllm_batch_invariant_is_declined_on_cpu():
 def test_vllm_bf16_rollout_without_the_repository_on_the_path(monkeypatch, tmp_path):
     """vLLM's bf16 CPU kernels use AMX: its worker died of SIGILL (exit -4) at the first forward unless the
     repository's kernels/ happened to be importable there and asked Linux for AMX (baselines/vllm_child.py)."""
-    from logdiff.baselines.vllm import vllm_stack
+    from logdiff.baselines.vllm import vllm_rollout
 
     monkeypatch.delenv("PYTHONPATH", raising=False)
     monkeypatch.setenv("LOGDIFF_CACHE", str(tmp_path))
-    with vllm_stack(ModelSpec("qwen3-moe-tiny"), torch.bfloat16, 256) as stack:
+    with vllm_rollout(ModelSpec("qwen3-moe-tiny"), torch.bfloat16, 256) as stack:
         outputs = stack.rollout([Request((1, 2, 3), 4), Request(tuple(range(140)), 2, temperature=1.0, seed=5)])
     assert [len(o.tokens) for o in outputs] == [4, 2]
     assert all(torch.isfinite(o.logprobs).all() and (o.logprobs <= 0).all() for o in outputs)
