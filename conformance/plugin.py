@@ -96,6 +96,8 @@ def pytest_configure(config):
     config.stash[_BUILT] = {}
     config.addinivalue_line("markers", "own_weights(what): a conformance test whose workloads build their own weights; "
                                        "skipped under --model")
+    config.addinivalue_line("markers", "check_only: a property `logdiff run` and `bisect` do not exercise (trainer "
+                                       "layouts, weight updates): its failure reproduces through `logdiff check -k` only")
 
 
 def pytest_unconfigure(config):
@@ -166,6 +168,8 @@ def reproducer(item, error: BaseException) -> str:
     layers = config.getoption("--layers")
     on = (f" --model {shlex.quote(model)}" if model else "") + (f" --layers {layers}" if model and layers else "")
     lines = [f"reproduce: logdiff check --stack {stack}{on} -k {shlex.quote(item.name)}{generated}"]
+    if item.get_closest_marker("check_only"):  # `logdiff run` and `bisect` exercise another property
+        return "\n".join(lines)
     degrees, bisect_only = item.stash.get(_PARALLEL, ("", ""))
     for w in getattr(error, "workloads", None) or item.stash.get(_WORKLOADS, [])[-1:]:
         w = on_model(config, w)

@@ -10,9 +10,11 @@ from dataclasses import replace
 import pytest
 
 from logdiff.api import TrainerLayout
-from logdiff.conformance.bitwise import PropertyViolation
 
+from .bitwise import PropertyViolation
 from .workloads import WORKLOADS, scored_sequences, with_dtype
+
+pytestmark = pytest.mark.check_only
 
 CASES = {
     "block-edges": WORKLOADS["block-edges"],  # six lengths around the KV block: micro-batches of unequal lengths

@@ -10,13 +10,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from logdiff.api import TrainerInputs
-from logdiff.conformance.bitwise import PropertyViolation
 from logdiff.metrics import compare
 from logdiff.runner import engine_options
 from logdiff.train import MasterWeightAdamW
 
+from .bitwise import PropertyViolation
 from .runs import rollout
 from .workloads import WORKLOADS, scored_sequences, with_dtype
+
+pytestmark = pytest.mark.check_only
 
 CASES = {
     "block-edges-sampled": WORKLOADS["block-edges-sampled"],
