@@ -92,13 +92,8 @@ class HFStack(Stack):
         if layout != DEFAULT_LAYOUT and capture is not None:
             raise Unsupported("a capture follows the default layout (one right-padded forward); score with it to bisect")
         processing = processing or [Processing()] * len(sequences)
-        out: list[torch.Tensor | None] = [None] * len(sequences)
         with torch.set_grad_enabled(grad), capture_hooks(self.model, capture, list(range(len(sequences)))):
-            for forward in layout.forwards([len(s) for s in sequences]):
-                scored = self._score([sequences[i] for i in forward], [score_from[i] for i in forward],
-                                     [temperatures[i] for i in forward], [processing[i] for i in forward], layout)
-                for i, logprobs in zip(forward, scored):
-                    out[i] = logprobs
+            out = layout.score(lambda *columns: self._score(*columns, layout), sequences, score_from, temperatures, processing)
         scored = [torch.arange(first - 1, len(s) - 1) for s, first in zip(sequences, score_from)]
         capture_logprobs(capture, list(range(len(sequences))), scored, out)
         return out

@@ -126,7 +126,8 @@ class VLLMStack(RemoteRollout):
         self.python = vllm_python()
         self.children: dict[str, ChildProcess] = {}
         self.child: ChildProcess | None = None  # the one used last
-        self.synced: tempfile.TemporaryDirectory | None = None  # the weights of the last load_weights, for new engines
+        self.synced_dir: tempfile.TemporaryDirectory | None = None  # made on the first load_weights
+        self.synced: str | None = None  # the file of the last load_weights: an engine started later loads it too
 
     def kwargs(self, options: EngineOptions, logprobs_mode: str = DEFAULT_LOGPROBS_MODE) -> dict:
         checkpoint = str(self.spec.checkpoint_dir(self.dtype))
@@ -148,7 +149,7 @@ class VLLMStack(RemoteRollout):
             # Callables over collective_rpc (the weight sync) are pickled: vLLM asks for this switch.
             env = {**self.env, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
             self.children[key] = ChildProcess([self.python, str(CHILD)], f"vLLM engine ({self.name}, {describe_engine(kwargs)})",
-                                              env=env, init={"op": "init", "llm": kwargs, "weights": self._synced_file()})
+                                              env=env, init={"op": "init", "llm": kwargs, "weights": self.synced})
         self.child = self.children[key]
         return self.child
 
@@ -191,24 +192,21 @@ class VLLMStack(RemoteRollout):
 
     def load_weights(self, weights):
         """Writes the weights as a checkpoint's tensors to a file every engine of this stack loads in place through
-        vLLM's `model.load_weights` (the running ones now, one started later at its start)."""
+        vLLM's `reload_weights` (baselines/vllm_child.py; the running ones now, one started later at its start)."""
         from safetensors.torch import save_file
 
         from logdiff.weights import checkpoint_state
 
-        if self.synced is None:
-            self.synced = tempfile.TemporaryDirectory(prefix="logdiff-vllm-weights-")
-        path = Path(self.synced.name) / "weights.safetensors"
+        self.synced_dir = self.synced_dir or tempfile.TemporaryDirectory(prefix="logdiff-vllm-weights-")
+        path = Path(self.synced_dir.name) / "weights.safetensors"
         partial = path.with_suffix(".partial")
         save_file(checkpoint_state(weights, self.spec.config()), str(partial))
         partial.replace(path)
+        self.synced = str(path)
         for child in self.children.values():
-            child.init["weights"] = str(path)
+            child.init["weights"] = self.synced
             if child.alive:
-                child.call({"op": "load_weights", "path": str(path)})
-
-    def _synced_file(self) -> str | None:
-        return str(Path(self.synced.name) / "weights.safetensors") if self.synced else None
+                child.call({"op": "load_weights", "path": self.synced})
 
     def remote_rollout(self, requests, options):
         modes = {r.logprobs_mode for r in requests}

@@ -135,6 +135,16 @@ class TrainerLayout:
             tokens += length
         return forwards
 
+    def score(self, score: Callable[..., list], sequences: Sequence[Sequence[int]], *columns: Sequence | None) -> list:
+        """`score(sequences, *columns)` once per forward, every column cut to that forward's sequences (a None column
+        stays None), the results put back in the sequences' order."""
+        out: list = [None] * len(sequences)
+        for forward in self.forwards([len(s) for s in sequences]):
+            picked = [None if c is None else [c[i] for i in forward] for c in (sequences, *columns)]
+            for i, result in zip(forward, score(*picked)):
+                out[i] = result
+        return out
+
 
 @dataclass(frozen=True)
 class TrainerInputs:
@@ -247,7 +257,7 @@ class Stack(ABC):
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Optional (conformance C14 for a pair `R+T`): the rollout engine takes these weights in place, through
-        its own weight-update path (vLLM's `model.load_weights` in its worker), named as `trainer_parameters`
+        its own weight-update path (vLLM's in-place `reload_weights` in its worker), named as `trainer_parameters`
         names them (the transformers model's parameter names); what `PairedStack.sync_weights` calls with the
         other stack's trainer parameters."""
         raise Unsupported(f"stack {self.name}'s rollout engine cannot take new weights in place (load_weights)")

@@ -76,19 +76,15 @@ class KernelStack(Stack):
 
     def trainer_logprobs(self, sequences, score_from, temperatures, grad=False, capture: Capture = None, processing=None,
                          layout: TrainerLayout | None = None):
-        forwards = (layout or TrainerLayout()).forwards([len(s) for s in sequences])
-        if len(forwards) > 1 and capture is not None:
+        layout = layout or TrainerLayout()
+        if layout != TrainerLayout() and capture is not None:
             raise Unsupported("a capture follows one packed forward; score with the default layout to bisect")
-        out: list[torch.Tensor | None] = [None] * len(sequences)
-        for forward in forwards:
-            def pick(values):
-                return None if values is None else [values[i] for i in forward]
 
-            scored = self.trainer.logprobs(pick(sequences), pick(score_from), pick(temperatures), grad=grad, capture=capture,
-                                           processing=pick(processing))
-            for i, logprobs in zip(forward, scored):
-                out[i] = logprobs.cpu()
-        return out
+        def score(sequences, score_from, temperatures, processing):
+            return [t.cpu() for t in self.trainer.logprobs(sequences, score_from, temperatures, grad=grad, capture=capture,
+                                                           processing=processing)]
+
+        return layout.score(score, sequences, score_from, temperatures, processing)
 
     def prompt_logprobs(self, sequences, score_from, temperatures, options=EngineOptions(), processing=None):
         return [t.cpu() for t in self.engine(options).prompt_logprobs(sequences, score_from, temperatures, processing)]
@@ -147,8 +143,7 @@ class PairedStack(Stack):
         self.rollout_side = rollout.rollout_side if isinstance(rollout, PairedStack) else rollout
         self.trainer_side = trainer.trainer_side if isinstance(trainer, PairedStack) else trainer
         self.name = name or f"{rollout.name}+{trainer.name}"
-        devices_ = dict.fromkeys([self.rollout_side.device, self.trainer_side.device])
-        self.device = " / ".join(devices_)
+        self.device = " / ".join(dict.fromkeys([self.rollout_side.device, self.trainer_side.device]))
         self.supports_capture = self.rollout_side.supports_capture and self.trainer_side.supports_capture
         self.trainer_layouts = self.trainer_side.trainer_layouts
 
