@@ -159,14 +159,22 @@ def verl(session):
                 env={**env, "LOGDIFF_VERL_RESULTS": str(out / "metrics.json")})
     session.run("logdiff", "check", "--rollout", "reference", "--trainer", "verl", "--out", str(out / "check-reference+verl"),
                 env=env, success_codes=[0, 1])
+    rollouts = ["reference"]
     # verl x vLLM: vLLM's engine from `nox -s vllm`'s environment (its own pins), verl's trainer here.
     vllm_python = Path(".nox/vllm/bin/python")
     if vllm_python.is_file():
         env.update(LOGDIFF_VLLM_PYTHON=str(vllm_python.resolve()), LOGDIFF_MAX_CHILDREN="4", LOGDIFF_REMOTE_TIMEOUT="300")
         session.run("logdiff", "check", "--rollout", "vllm", "--trainer", "verl", "--workload-shrink-seconds", "0",
                     "--out", str(out / "check-vllm+verl"), env=env, success_codes=[0, 1])
+        rollouts.append("vllm")
     else:
         session.warn("no .nox/vllm: run `nox -s vllm` first for verl x vLLM (results/<machine>/verl/check-vllm+verl)")
+    # Where each engine and verl's trainer part (exit 1: they differ), through hooks in both.
+    for rollout in rollouts:
+        for dtype in ("fp32", "bf16"):
+            base = out / "bisect" / f"{rollout}+verl-{dtype}"
+            stdout_to(session, base.with_suffix(".txt"), "logdiff", "bisect", "--rollout", rollout, "--trainer", "verl",
+                      "--dtype", dtype, "--json", str(base.with_suffix(".json")), env=env, success_codes=[1])
 
 
 @nox.session(python=PYTHON)
@@ -241,6 +249,11 @@ def vllm(session):
         stdout_to(session, base.with_suffix(".txt"), "logdiff", "run", "--dtype", dtype, "--stack", "vllm", "--stack", "vllm+hf",
                   "--stack", "reference", "--stack", "hf", "--json", str(base.with_suffix(".json")), env=env,
                   success_codes=[0, 1])  # hf and vllm fail
+    # Where vLLM's engine and the reference trainer part: bisect through hooks in vLLM's worker (exit 1: they differ).
+    for dtype in ("fp32", "bf16"):
+        base = out / "vllm" / "bisect" / f"vllm+reference-{dtype}"
+        stdout_to(session, base.with_suffix(".txt"), "logdiff", "bisect", "--rollout", "vllm", "--trainer", "reference",
+                  "--dtype", dtype, "--json", str(base.with_suffix(".json")), env=env, success_codes=[1])
     # The rollout cases: vLLM is a peer for the rollout; in trainer and rl-step both stacks time logdiff's own trainer.
     rollout_cases = [arg for case in ("prefill", "decode-b1", "decode-b8", "decode-b32", "decode-b64")
                      for arg in ("--case", case)]

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from logdiff.api import EngineOptions, Processing, RolloutOutput, Stack, TrainerLayout, Unsupported
-from logdiff.baselines.hf_capture import capture_hooks, capture_logprobs
+from logdiff.baselines.hf_capture import capture_hooks
+from logdiff.bisect.capture import capture_logprobs
 from logdiff.kernels.logsoftmax import scoring_temperature
 from logdiff.weights import own_weights
 

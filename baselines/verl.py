@@ -44,7 +44,9 @@ from typing import Sequence
 
 import torch
 
-from logdiff.api import PADDINGS, TrainerLayout, TrainerOnly, Unsupported
+from logdiff.api import PADDINGS, Capture, TrainerLayout, TrainerOnly, Unsupported, locate
+from logdiff.bisect.capture import capture_logprobs
+from logdiff.bisect.hooks import attach
 
 VERL_PIN = "verl==0.9.1"
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -166,6 +168,7 @@ class VerlTrainer(TrainerOnly):
 
     name = "verl"
     device = "cpu"
+    supports_capture = True
     trainer_layouts = {
         "micro_batch": (None, 1, 2, 4),  # any positive size is honoured
         "padding": ("packed", "right"),  # verl pads to the longest in the micro-batch: no left or extra padding
@@ -244,11 +247,19 @@ class VerlTrainer(TrainerOnly):
 
     def trainer_logprobs(self, sequences: Sequence[Sequence[int]], score_from: Sequence[int],
                          temperatures: Sequence[float], grad: bool = False,
-                         layout: TrainerLayout | None = None) -> list[torch.Tensor]:
+                         layout: TrainerLayout | None = None, capture: Capture = None) -> list[torch.Tensor]:
         if grad:
             raise Unsupported("verl's compute_log_prob gives no gradients: BaseEngine.infer_batch runs under "
                               "torch.no_grad() and detaches its outputs (verl differentiates only in update_actor)")
         layout = layout or TrainerLayout()
+        if capture is not None:
+            if layout != TrainerLayout():
+                raise Unsupported("a capture follows verl's one packed forward; score with the default layout to bisect")
+            with self._capture_hooks(capture, [len(s) for s in sequences]):
+                out = self.trainer_logprobs(sequences, score_from, temperatures)
+            capture_logprobs(capture, list(range(len(sequences))),
+                             [torch.arange(first - 1, len(s) - 1) for s, first in zip(sequences, score_from)], out)
+            return out
         self._check(layout, sequences, score_from)
         n = len(sequences)
         if n == 0:
@@ -271,6 +282,29 @@ class VerlTrainer(TrainerOnly):
                 out[i], entropies[i] = lp[j], None if ent is None else ent[j]
         self.last_entropy = entropies if self.entropy else None
         return out
+
+    @contextlib.contextmanager
+    def _capture_hooks(self, capture: Capture, lengths: list[int]):
+        """logdiff.bisect.hooks on the transformers model inside verl's FSDP2 engine, and the rows of its one packed
+        forward (use_remove_padding: input_ids and position_ids [1, total], the sequences one after another, any
+        rows after them padding)."""
+        model = self.engine.module
+        request = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+        expected = torch.cat([torch.arange(n) for n in lengths])
+
+        def on_forward(module, args, kwargs):
+            ids, positions = kwargs["input_ids"].flatten().cpu(), kwargs["position_ids"].flatten().cpu()
+            if len(ids) < len(expected) or not torch.equal(positions[: len(expected)], expected):
+                raise RuntimeError("verl laid the batch out otherwise than the sequences packed one after another")
+            locate(capture, torch.cat([request, torch.full((len(ids) - len(expected),), -1)]), positions)
+            capture("tokens", ids), capture("positions", positions)
+
+        hooks = [model.register_forward_pre_hook(on_forward, with_kwargs=True), *attach(model, "transformers", capture)]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     def _check(self, layout: TrainerLayout, sequences, score_from) -> None:
         if layout.padding not in PADDINGS:

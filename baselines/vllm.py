@@ -37,7 +37,9 @@ from pathlib import Path
 
 import torch
 
-from logdiff.api import DEFAULT_LOGPROBS_MODE, EngineOptions, Processing, Unsupported
+from logdiff.api import DEFAULT_LOGPROBS_MODE, Capture, EngineOptions, Processing, Unsupported
+from logdiff.bisect import hooks
+from logdiff.bisect.capture import capture_logprobs, replay
 from logdiff.remote import ChildProcess, RemoteError, RemoteRollout
 from logdiff.weights import TORCH_DTYPE_NAMES
 
@@ -115,6 +117,8 @@ def ascend_switches() -> tuple[dict[str, str], dict]:
 
 class VLLMStack(RemoteRollout):
     """vLLM's offline engine in a child process."""
+
+    supports_capture = True
 
     def __init__(self, spec, dtype, max_model_len, name: str = "vllm", env: dict[str, str] | None = None,
                  overrides: dict | None = None, device: str = "cpu"):
@@ -208,13 +212,28 @@ class VLLMStack(RemoteRollout):
             if child.alive:
                 child.call({"op": "load_weights", "path": self.synced})
 
-    def remote_rollout(self, requests, options):
+    def remote_rollout(self, requests, options, capture: Capture = None):
+        """With `capture`, forward hooks in vLLM's worker (logdiff.bisect.hooks) record the capture points and the
+        tensors come back in a file: the rows of one request up to a position when `capture` is a bisect Recorder
+        (its `request`, `upto`), else every row."""
         modes = {r.logprobs_mode for r in requests}
         if len(modes) > 1:
             raise Unsupported("vLLM's logprobs_mode is one per engine (an LLM argument); this rollout's requests ask "
                               f"for {' and '.join(sorted(modes))} log-probs")
-        payload = [{"prompt": list(r.prompt), "arrival": r.arrival, "params": sampling_params(r)} for r in requests]
-        reply = self.call(options, {"op": "generate", "requests": payload}, modes.pop())
+        message = {"op": "generate", "requests": [{"prompt": list(r.prompt), "arrival": r.arrival, "params": sampling_params(r)}
+                                                  for r in requests]}
+        if capture is None:
+            reply = self.call(options, message, modes.pop())
+            return list(zip(reply["tokens"], reply["logprobs"]))
+        with tempfile.TemporaryDirectory(prefix="logdiff-vllm-capture-") as folder:
+            out = Path(folder) / "capture.pt"
+            message["capture"] = {"hooks": hooks.__file__, "request": getattr(capture, "request", None),
+                                  "upto": getattr(capture, "upto", None), "out": str(out)}
+            reply = self.call(options, message, modes.pop())
+            replay(capture, torch.load(out))
+        capture_logprobs(capture, list(range(len(requests))),
+                         [torch.arange(len(r.prompt) - 1, len(r.prompt) - 1 + len(t)) for r, t in zip(requests, reply["tokens"])],
+                         [torch.tensor(lp, dtype=torch.float32) for lp in reply["logprobs"]])
         return list(zip(reply["tokens"], reply["logprobs"]))
 
     def prompt_logprobs(self, sequences, score_from, temperatures, options=EngineOptions(), processing=None):

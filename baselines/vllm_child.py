@@ -6,7 +6,8 @@ stdout. fd 1 is duplicated for the replies and then pointed at stderr, so nothin
 the channel.
   {"op": "init", "llm": {LLM kwargs}, "weights": path?}     -> {"ok": true, "seconds", "vllm"}
   {"op": "load_weights", "path": safetensors file}          -> {"ok": true, "seconds"}
-  {"op": "generate", "requests": [{"prompt": [ids], "arrival": step, "params": {SamplingParams kwargs}}]}
+  {"op": "generate", "requests": [{"prompt": [ids], "arrival": step, "params": {SamplingParams kwargs}}],
+   "capture": {"hooks": path of logdiff/bisect/hooks.py, "request": i, "upto": position, "out": path}?}
                                                                -> {"ok": true, "tokens": [[..]], "logprobs": [[..]]}
   {"op": "score", "prompts": [[ids]]}                        -> {"ok": true, "prompt_logprobs": [[None, ..]]}
   {"op": "exit"}
@@ -72,7 +73,7 @@ def serve() -> None:
                 load_weights(llm, message["path"])
                 reply = {"ok": True, "seconds": time.perf_counter() - start}
             elif op == "generate":
-                reply = {"ok": True, **generate(llm, message["requests"])}
+                reply = {"ok": True, **generate(llm, message["requests"], message.get("capture"))}
             elif op == "score":
                 reply = {"ok": True, "prompt_logprobs": score(llm, message["prompts"])}
             elif op == "version":
@@ -111,7 +112,62 @@ def _version() -> str:
     return "unknown"
 
 
-def generate(llm, requests: list[dict]) -> dict:
+def generate(llm, requests: list[dict], capture: dict | None = None) -> dict:
+    """The requests' tokens and log-probs; with `capture`, the capture points of request `capture["request"]` at
+    positions <= `upto`, recorded in the worker by forward hooks, saved to `capture["out"]` (torch.save of
+    logdiff.bisect.hooks.RowFilter.result()). A captured generate starts from an empty prefix cache, so that
+    every position is computed, as in a first run."""
+    if capture is None:
+        return _generate(llm, requests)
+    llm.reset_prefix_cache()
+    llm.collective_rpc(_start_capture, args=(capture["hooks"], capture["request"], capture["upto"]))
+    try:
+        return _generate(llm, requests)
+    finally:
+        llm.collective_rpc(_stop_capture, args=(capture["out"],))
+
+
+def _start_capture(worker, hooks_path: str, request: int, upto: int) -> None:
+    """Hooks on the worker's model (logdiff.bisect.hooks, loaded by path) and on its forward, which locates each
+    packed row: the scheduled requests are the model runner's batch, in order, `query_start_loc` apart;
+    the rows whose logits are computed are each request's last (no speculative decoding here)."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("logdiff_capture_hooks", hooks_path)
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    runner = worker.model_runner
+    model = runner.get_model()
+    kept = hooks.RowFilter(request, upto)
+
+    def on_forward(module, args, kwargs):
+        ids, positions = kwargs["input_ids"], kwargs["positions"]
+        batch = runner.input_batch
+        starts = runner.query_start_loc.cpu[: batch.num_reqs + 1].long()
+        row_request = torch.full((ids.shape[0],), -1, dtype=torch.long)  # rows past the last request: padding
+        for b, request_id in enumerate(batch.req_ids[: batch.num_reqs]):
+            row_request[starts[b]: starts[b + 1]] = int(request_id.split("-")[1])  # "logdiff-<i>-<vLLM's suffix>"
+        kept.locate(row_request, positions.cpu().long(), starts[1:] - 1)
+        kept("tokens", ids.long()), kept("positions", positions.long())
+
+    handles = [model.register_forward_pre_hook(on_forward, with_kwargs=True), *hooks.attach(model, "vllm", kept)]
+    worker.logdiff_capture = (kept, handles)
+
+
+def _stop_capture(worker, out: str) -> None:
+    import torch
+
+    kept, handles = worker.logdiff_capture
+    for handle in handles:
+        handle.remove()
+    del worker.logdiff_capture
+    torch.save(kept.result(), out + ".partial")
+    os.replace(out + ".partial", out)
+
+
+def _generate(llm, requests: list[dict]) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -38,7 +38,7 @@ from typing import Sequence
 
 import torch
 
-from logdiff.api import EngineOptions, Request, RolloutOnly, RolloutOutput
+from logdiff.api import Capture, EngineOptions, Request, RolloutOnly, RolloutOutput
 from logdiff.errors import UserError
 from logdiff.report import progress
 
@@ -248,10 +248,11 @@ class RemoteRollout(RolloutOnly):
         self.spec, self.dtype, self.max_model_len = spec, dtype, max_model_len
         self.vocab_size = spec.config().vocab_size
 
-    def rollout(self, requests, options: EngineOptions = EngineOptions()) -> list[RolloutOutput]:
+    def rollout(self, requests, options: EngineOptions = EngineOptions(), capture: Capture = None) -> list[RolloutOutput]:
+        """`capture` goes to `remote_rollout` only when given (an engine that captures sets `supports_capture`)."""
         requests = list(requests)
         validate_prompts(requests, self.vocab_size)
-        replies = self.remote_rollout(requests, options)
+        replies = self.remote_rollout(requests, options, **({"capture": capture} if capture is not None else {}))
         if len(replies) != len(requests):
             raise RemoteError(f"{self.name}: {len(replies)} results for {len(requests)} requests")
         outputs = []

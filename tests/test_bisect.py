@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from logdiff.baselines.hf import HFStack
-from logdiff.baselines.hf_capture import capture_hooks, capture_logprobs
+from logdiff.baselines.hf_capture import capture_hooks
+from logdiff.bisect.capture import capture_logprobs
 from logdiff.bisect.locate import KERNEL_PATH, UPSTREAM, bisect
 from logdiff.kernels.ablations import BREAKS_ON
 from logdiff.workload import Workload
@@ -143,3 +144,34 @@ def test_a_framework_bug_is_classed_upstream(stack_cache):
     assert (b.first.point, b.first.klass, b.first.inputs) == ("positions", UPSTREAM, [])
     assert b.first.diff.rollout == b.position and b.first.diff.trainer == b.position + 10
     assert (b.origin.point, b.origin.position) == ("positions", 0)
+
+
+def test_rows_kept_in_an_engines_process_replay_as_if_captured_here():
+    """What vLLM's worker does (logdiff.bisect.hooks.RowFilter: one request's rows, shipped back, replayed) leaves a
+    bisect Recorder holding exactly what hooking the model in this process gives it."""
+    from logdiff.bisect.capture import Recorder, replay
+    from logdiff.bisect.hooks import RowFilter
+
+    w = Workload(batch_size=2, prompt_lens=(9, 14), max_new_tokens=3)
+    stack = HFStack(w.spec, w.torch_dtype, w.max_model_len)
+    outputs = stack.rollout(w.requests())
+    sequences = [list(r.prompt) + o.tokens for r, o in zip(w.requests(), outputs)]
+    here, kept = Recorder(request=1, upto=15), RowFilter(request=1, upto=15)
+    for capture in (here, kept):
+        stack.trainer_logprobs(sequences, [len(r.prompt) for r in w.requests()], [0.0, 0.0], capture=capture)
+    shipped = Recorder(request=1, upto=15)
+    replay(shipped, kept.result())
+    assert set(shipped.rows) == set(here.rows) and len(here.rows["tokens"]) == 16
+    assert sorted(here.rows["logprob"]) == [13, 14, 15]
+    for name, rows in here.rows.items():
+        assert rows.keys() == shipped.rows[name].keys() and all(torch.equal(rows[p], shipped.rows[name][p]) for p in rows), name
+
+
+def test_a_module_shared_by_layers_is_refused_not_recorded_twice():
+    from logdiff.bisect.hooks import RowFilter
+
+    kept = RowFilter(request=None, upto=None)
+    kept.locate(torch.tensor([0, 0]), torch.tensor([0, 1]), torch.tensor([1]))
+    kept("layers.0.rope_q", torch.zeros(2, 4))
+    with pytest.raises(RuntimeError, match="reported twice in one forward"):
+        kept("layers.0.rope_q", torch.ones(2, 4))

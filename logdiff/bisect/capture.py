@@ -24,6 +24,7 @@ from collections import defaultdict
 
 import torch
 
+from logdiff.api import Capture, locate
 from logdiff.config import ModelConfig
 from logdiff.parallel import shard_of
 
@@ -183,3 +184,21 @@ class Recorder:
             if pos in store:
                 raise RuntimeError(f"capture point {name!r}: position {pos} of request {self.request} captured twice")
             store[pos] = tensor[row].detach().clone()
+
+
+def capture_logprobs(capture: Capture, requests: list[int], positions: list[torch.Tensor], logprobs: list[torch.Tensor]) -> None:
+    """The `logprob` point: logprobs[b][j] scores the token after position positions[b][j] of request requests[b]."""
+    if capture is None:
+        return
+    request = torch.cat([torch.full((len(p),), r) for r, p in zip(requests, positions)])
+    locate(capture, request, torch.cat(positions))
+    capture("logprob", torch.cat(logprobs))
+
+
+def replay(capture: Capture, forwards: list[dict]) -> None:
+    """Hands `capture` what an engine's own process recorded (logdiff.bisect.hooks.RowFilter.result()), forward by
+    forward, as if the engine ran here."""
+    for forward in forwards:
+        locate(capture, forward["request"], forward["position"], forward["head"])
+        for name, tensor in forward["points"].items():
+            capture(name, tensor)

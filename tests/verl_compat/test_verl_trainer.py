@@ -237,3 +237,27 @@ def test_verl_trainer_declines_what_verl_cannot_do(setup):
         trainer.rollout([])
     info = trainer.describe()
     assert info["versions"]["verl"] == "0.9.1" and info["verl"]["strategy"] == "fsdp2"
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_verl_capture_records_every_row_and_changes_no_bit(setup, model):
+    """logdiff.bisect.hooks on the transformers model inside verl's FSDP2 engine: every point of every row of the
+    packed forward at its (sequence, position), the log-probs unchanged by the hooks; a layout other than the one
+    packed forward is declined for capture."""
+    from logdiff.bisect.bundle import ROWS, WorkloadRecorder
+
+    run = setup(model)
+    inputs, trainer = run["inputs"], run["trainer"]
+    recorder = WorkloadRecorder(len(inputs.sequences))
+    got = trainer.trainer_logprobs(inputs.sequences, inputs.score_from, inputs.temperatures, capture=recorder)
+    assert all(torch.equal(a, b) for a, b in zip(got, run["verl"]))
+    tensors = recorder.tensors()
+    rows = [[i, p] for i, s in enumerate(inputs.sequences) for p in range(len(s))]
+    feed_forward = "combine" if model.startswith("qwen3-moe") else "mlp"
+    for name in ("tokens", "positions", "embedding", "layers.0.attention", f"layers.1.{feed_forward}", "final_norm", "logits"):
+        assert tensors[name + ROWS].tolist() == rows, name
+    assert tensors["tokens"].tolist() == [t for s in inputs.sequences for t in s]
+    assert torch.equal(tensors["logprob"], torch.cat(got))
+    with pytest.raises(Unsupported, match="default layout"):
+        trainer.trainer_logprobs(inputs.sequences, inputs.score_from, inputs.temperatures, capture=WorkloadRecorder(6),
+                                 layout=TrainerLayout(micro_batch=2))

@@ -173,3 +173,43 @@ def test_vllm_weight_sync_of_unchanged_weights_keeps_every_bit(model, monkeypatc
         after = pair.rollout(requests)
     assert [o.tokens for o in before] == [o.tokens for o in after]
     assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(before, after))
+
+
+def test_vllm_capture_records_every_row_and_changes_no_bit():
+    """Forward hooks in vLLM's worker (logdiff.bisect.hooks), tensors shipped back: every capture point vLLM's modules
+    expose holds every fed row of every request once, at its (request, position), and capture on changes no token or
+    log-prob."""
+    from logdiff import stacks
+    from logdiff.bisect.bundle import ROWS, WorkloadRecorder
+
+    requests = [Request(tuple(range(1, 20)), 4), Request(tuple(range(30, 190)), 4, arrival=2)]
+    with stacks.build("vllm", ModelSpec("qwen3-moe-tiny"), torch.float32, 256) as pair:
+        plain = pair.rollout(requests)
+        recorder = WorkloadRecorder(len(requests))
+        captured = pair.rollout(requests, capture=recorder)
+    assert [o.tokens for o in plain] == [o.tokens for o in captured]
+    assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(plain, captured))
+    tensors = recorder.tensors()
+    # every row fed to the model: the last sampled token never is
+    fed = [(i, p) for i, r in enumerate(requests) for p in range(len(r.prompt) + r.max_new_tokens - 1)]
+    layer_points = ("input_norm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "rope_q", "rope_k", "attention", "o_proj",
+                    "residual", "post_attention_norm", "router_logits", "combine", "output")
+    for name in ("tokens", "positions", "embedding", "final_norm", *(f"layers.{i}.{p}" for i in (0, 1) for p in layer_points)):
+        assert tensors[name + ROWS].tolist() == [list(row) for row in fed], name
+    sequences = [list(r.prompt) + o.tokens for r, o in zip(requests, plain)]
+    assert tensors["tokens"].tolist() == [sequences[i][p] for i, p in fed]
+    assert tensors["positions"].tolist() == [p for _, p in fed]
+    assert torch.equal(tensors["logprob"], torch.cat([o.logprobs for o in plain]))
+    assert tensors["logits"].shape[0] == sum(r.max_new_tokens for r in requests)  # the sampling rows only
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_bisect_locates_where_vllm_and_the_reference_trainer_part(dtype, tmp_path):
+    """`logdiff bisect --rollout vllm --trainer reference` names an op inside a layer whose inputs agree on both sides."""
+    out = _logdiff("bisect", "--rollout", "vllm", "--trainer", "reference", "--dtype", dtype, "--max-new-tokens", "4",
+                   "--json", str(tmp_path / "bisect.json"))
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "replayed with capture on: both sides gave the run's tokens and log-probs bit for bit" in out.stdout
+    first = json.loads((tmp_path / "bisect.json").read_text())["bisect"]["first"]
+    assert first["point"].startswith("layers.") and first["klass"] == "kernel path", first
+    assert first["diff"]["rollout_bits"] != first["diff"]["trainer_bits"]
