@@ -64,7 +64,9 @@ class ModelSpec:
         nothing reaches the file).
 
         Builds of one spec and dtype in a process share the weight tensors while any of them lives: a run's
-        rollout and trainer instances and the oracle hold one copy, not three. Isolation between instances
+        rollout and trainer instances and the oracle hold one copy, not three. On the CPU every GEMM weight is
+        that copy in the layout logdiff's GEMM streams fastest (`gemm.weight_layout`; same values and shape),
+        so neither path makes another. Isolation between instances
         is of state, not of weight bytes: the weights are read-only to whoever did not make them their own,
         and a trainer that updates them in place first does (`own_weights`)."""
         device = torch.get_default_device()  # logdiff.devices: --device
@@ -78,7 +80,7 @@ class ModelSpec:
                 tensors = _checkpoint_tensors(Path(self.name), config, expected)
             else:
                 tensors = random_tensors(config, self.seed)
-            shared = {name: tensor.to(device=device, dtype=dtype) for name, tensor in tensors}
+            shared = {name: _as_gemms_read(name, tensor.to(device=device, dtype=dtype)) for name, tensor in tensors}
         with torch.device("meta"):
             model = Qwen3ForCausalLM(self.config())
         load_state(model, {name: tensor.detach() for name, tensor in shared.items()})  # own Parameters, shared bytes
@@ -119,6 +121,16 @@ class ModelSpec:
 
                 shutil.rmtree(tmp, ignore_errors=True)
         return path
+
+
+def _as_gemms_read(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A GEMM weight (every matrix but the embedding table) in the layout logdiff's GEMM reads fastest here,
+    made once for every build to share; anything else, and anything off the CPU, as it is."""
+    if tensor.ndim < 2 or name == "model.embed_tokens.weight" or tensor.device.type != "cpu":
+        return tensor
+    from logdiff.kernels.gemm import weight_layout
+
+    return weight_layout(tensor)
 
 
 def check_model_option(model: str | None, layers: int | None) -> None:

@@ -91,6 +91,7 @@ def table(rows: list[dict]) -> str:
     lines = [head]
     for r in rows:
         depth = f" --layers {r['layers']}" if r["layers"] else ""
+        depth += " *" if r.get("kept_from_earlier_run") else ""
         if r["peak_rss_bytes"] is None:
             lines.append(f"| {r['model']}{depth} | {r['dtype']} | {r['workload']} | {r['wall_seconds']:.0f} s | - "
                          f"| {r['checkpoint_bytes'] / GB:.2f} GB | - | {r['verdict']} | - | - |")
@@ -131,6 +132,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the tiny model only: a check of this script")
     parser.add_argument("--part", choices=("all", "scale", "seed-lengths"), default="all",
                         help="the scale table, the seed-lengths run of every built-in stack, or both (default)")
+    parser.add_argument("--skip", metavar="WORKLOAD", action="append", default=[], choices=list(WORKLOADS),
+                        help="keep this workload's rows as OUT_DIR/scale.json has them, marked so, instead of measuring "
+                             "them again (the 2048 + 2048 row takes 45 min)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.part in ("all", "seed-lengths") and not args.quick:
@@ -140,13 +144,19 @@ def main() -> None:
     if args.part == "seed-lengths":
         return
     plan = QUICK_ROWS if args.quick else ROWS
+    earlier = {_key(r): r for r in json.loads((args.out / "scale.json").read_text())} if args.skip else {}
     rows = []
     for i, row in enumerate(plan, 1):
         print(f"[{i}/{len(plan)}] {row}", file=sys.stderr, flush=True)
-        rows.append(measure(*row))
+        kept = earlier.get(row) if row[3] in args.skip else None
+        rows.append({**kept, "kept_from_earlier_run": True} if kept else measure(*row))
         print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
         write_tables(rows, args.out)  # after every row: a run cut short keeps what it measured
     print(table(rows))
+
+
+def _key(row: dict) -> tuple:
+    return row["model"], row["layers"], row["dtype"], row["workload"]
 
 
 def write_tables(rows: list[dict], out: Path) -> None:
@@ -155,7 +165,9 @@ def write_tables(rows: list[dict], out: Path) -> None:
     where = (f"{p['machine']} ({p['processor']}, {p['cpu_capability']}, {p['threads']} threads, torch {p['torch']})"
              if p else "this machine")
     header = (f"Measured on {where} by `python tools/measure_scale.py`; \"of target\" is peak RSS / (2 x checkpoint "
-              "+ 1.5 GB); fp64 max is each side's largest |logp - logp_fp64|.\n\n")
+              "+ 1.5 GB); fp64 max is each side's largest |logp - logp_fp64|."
+              + (" Rows marked * are kept from an earlier run (`--skip`)." if any(r.get("kept_from_earlier_run") for r in rows)
+                 else "") + "\n\n")
     write_text(out / "scale.md", header + table(rows))
     if any(r["peak_rss_bytes"] is not None for r in rows):
         plot(rows, out / "scale.png")

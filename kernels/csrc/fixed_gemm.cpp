@@ -69,6 +69,51 @@ void pack_a(const TA* a, int64_t rs, int64_t cs, int64_t mc, int64_t kc, float* 
   }
 }
 
+// 16 x 16 32-bit words, rows in r[0..15] -> the transpose, in place (unpack 32, unpack 64, two 128-bit shuffles).
+__attribute__((target("avx512f"))) inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// out[j][i] (row stride ldo) = in[i][j] (row stride ldi) for a 16 x 16 tile; 2-byte words move as 32-bit lanes.
+template <typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void transpose_tile16(const T* in, int64_t ldi, T* out, int64_t ldo) {
+  __m512i r[16];
+  for (int i = 0; i < 16; ++i) {
+    if constexpr (sizeof(T) == 4) r[i] = _mm512_loadu_si512(in + i * ldi);
+    else r[i] = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i * ldi)));
+  }
+  transpose16(r);
+  for (int j = 0; j < 16; ++j) {
+    if constexpr (sizeof(T) == 4) _mm512_storeu_si512(out + j * ldo, r[j]);
+    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j * ldo), _mm512_cvtepi32_epi16(r[j]));
+  }
+}
+
+bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl");
+  return has;
+}
+
 // B[k0:k0+kc, n0:n0+nc] -> row-major [kc][ldb] in B's own dtype, zero columns up to ldb.
 template <typename TB>
 void pack_b(const TB* b, int64_t rs, int64_t cs, int64_t kc, int64_t nc, int64_t ldb, TB* out) {
@@ -80,9 +125,15 @@ void pack_b(const TB* b, int64_t rs, int64_t cs, int64_t kc, int64_t nc, int64_t
     return;
   }
   for (int64_t k = 0; k < kc; ++k) std::fill(out + k * ldb + nc, out + (k + 1) * ldb, TB(0.0f));
-  for (int64_t n = 0; n < nc; ++n) {  // a column of B is contiguous when it is a row of a [N, K] weight
+  // A column of B is contiguous when it is a row of a [N, K] weight (rs == 1): 16 x 16 tiles are transposed in
+  // registers, each row of the weight read along k. Only data moves: the layout never reaches a reduction.
+  const bool tiles = rs == 1 && cpu_has_avx512();
+  const int64_t n_tiled = tiles ? nc / 16 * 16 : 0, k_tiled = tiles ? kc / 16 * 16 : 0;
+  for (int64_t n = 0; n < n_tiled; n += 16)
+    for (int64_t k = 0; k < k_tiled; k += 16) transpose_tile16<TB>(b + n * cs + k, cs, out + k * ldb + n, ldb);
+  for (int64_t n = 0; n < nc; ++n) {
     const TB* col = b + n * cs;
-    for (int64_t k = 0; k < kc; ++k) out[k * ldb + n] = col[k * rs];
+    for (int64_t k = n < n_tiled ? k_tiled : 0; k < kc; ++k) out[k * ldb + n] = col[k * rs];
   }
 }
 
