@@ -68,7 +68,8 @@ def measure(model: str, layers: int | None, dtype: str, workload: str) -> dict:
         "verdict": stack["verdict"], "bitwise_equal_tokens": stack["bitwise_equal_tokens"],
         "fp64_max_abs_error": {f["side"]: f["max_abs_error"] for f in stack["fidelity"]},
         "fp64_holds": all(f["holds"] for f in stack["fidelity"]),
-        "platform": {k: result["platform"][k] for k in ("machine", "processor", "cpu_capability", "threads", "torch")},
+        "platform": {k: result["platform"][k] for k in ("machine", "processor", "cpu", "cpu_capability", "gemm_tiers", "threads",
+                                                        "torch")},
     }
 
 
@@ -162,12 +163,14 @@ def _key(row: dict) -> tuple:
 def write_tables(rows: list[dict], out: Path) -> None:
     write_text(out / "scale.json", json.dumps(rows, indent=1) + "\n")
     p = next((r["platform"] for r in rows if "platform" in r), None)
-    where = (f"{p['machine']} ({p['processor']}, {p['cpu_capability']}, {p['threads']} threads, torch {p['torch']})"
-             if p else "this machine")
+    tiers = ", ".join(f"{k} {v}" for k, v in p.get("gemm_tiers", {}).items()) if p else ""
+    where = (f"{p['machine']} ({p.get('cpu', p['processor'])}, {p['cpu_capability']}, logdiff GEMM "
+             f"{tiers or 'tiers not recorded'}, {p['threads']} threads, torch {p['torch']})" if p else "this machine")
+    kept = any(r.get("kept_from_earlier_run") for r in rows)
     header = (f"Measured on {where} by `python tools/measure_scale.py`; \"of target\" is peak RSS / (2 x checkpoint "
               "+ 1.5 GB); fp64 max is each side's largest |logp - logp_fp64|."
-              + (" Rows marked * are kept from an earlier run (`--skip`)." if any(r.get("kept_from_earlier_run") for r in rows)
-                 else "") + "\n\n")
+              + (" Rows marked * are kept from an earlier run (`--skip`; its platform in scale.json)." if kept else "")
+              + "\n\n")
     write_text(out / "scale.md", header + table(rows))
     if any(r["peak_rss_bytes"] is not None for r in rows):
         plot(rows, out / "scale.png")
