@@ -15,6 +15,7 @@ import torch
 
 from logdiff.config import NAMED_CONFIGS, ModelConfig
 from logdiff.errors import UserError
+from logdiff.kernels.gemm import weight_layout
 from logdiff.model import Qwen3ForCausalLM
 from logdiff.report import progress
 
@@ -61,14 +62,14 @@ class ModelSpec:
         """The model in `dtype`, weights identical for every stack that builds the same spec. Parameters are
         made in `dtype` one tensor at a time (never a whole-model copy in another dtype), on torch's default
         device (`--device`); a checkpoint's tensors stored in `dtype` stay memory-mapped on the CPU (copy-on-write:
-        nothing reaches the file).
+        nothing reaches the file), except the GEMM weights a K-major tier reads (below).
 
         Builds of one spec and dtype in a process share the weight tensors while any of them lives: a run's
-        rollout and trainer instances and the oracle hold one copy, not three. On the CPU every GEMM weight is
-        that copy in the layout logdiff's GEMM streams fastest (`gemm.weight_layout`; same values and shape),
-        so neither path makes another. Isolation between instances
-        is of state, not of weight bytes: the weights are read-only to whoever did not make them their own,
-        and a trainer that updates them in place first does (`own_weights`)."""
+        rollout and trainer instances and the oracle hold one copy, not three. On the CPU each GEMM weight is
+        that copy in the layout logdiff's GEMM streams fastest (`gemm.weight_layout`: K-major on the FMA tiers,
+        as stored on amx-bf16; same values and shape), made here once so that neither path makes another.
+        Isolation between instances is of state, not of weight bytes: the weights are read-only to whoever did
+        not make them their own, and a trainer that updates them in place first does (`own_weights`)."""
         device = torch.get_default_device()  # logdiff.devices: --device
         key = (self, dtype, device)
         shared = {name: ref() for name, ref in _built.get(key, {}).items()}
@@ -128,8 +129,6 @@ def _as_gemms_read(name: str, tensor: torch.Tensor) -> torch.Tensor:
     made once for every build to share; anything else, and anything off the CPU, as it is."""
     if tensor.ndim < 2 or name == "model.embed_tokens.weight" or tensor.device.type != "cpu":
         return tensor
-    from logdiff.kernels.gemm import weight_layout
-
     return weight_layout(tensor)
 
 
