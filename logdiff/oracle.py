@@ -27,6 +27,7 @@ from logdiff import devices
 from logdiff.api import Processing, Unsupported
 from logdiff.batch import SeqBatch
 from logdiff.errors import UserError
+from logdiff.kernels.gemm import weight_layout
 from logdiff.kernelset import KernelSet
 from logdiff.weights import ModelSpec
 
@@ -190,7 +191,7 @@ class Oracle:
         self.device = devices.current() if devices.has_fp64(devices.current()) else torch.device("cpu")
         try:
             with devices.using(self.device):
-                model = spec.build(dtype)
+                model = spec.build(dtype, weight_layout)  # the reference's copy: one in memory while both live
         except (UserError, OSError, KeyError, ValueError) as e:  # a checkpoint the model definition cannot read
             raise Unsupported(f"the fp64 oracle cannot load model {spec.name!r} ({e})") from None
         self.dtype = dtype

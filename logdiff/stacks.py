@@ -56,7 +56,7 @@ class KernelStack(Stack):
             raise Unsupported(f"kernel set {kernels.name} has order-fixed kernels for {', '.join(kernels.devices)} only, "
                               f"not {device.type}: no verdict it has not earned")
         self.spec, self.max_model_len = spec, max_model_len
-        self.model = spec.build(dtype)
+        self.model = spec.build(dtype, kernels.inference_weight)
         self.device = str(next(self.model.parameters()).device)
         self.trainer = Trainer(self.model, kernels)
 

@@ -10,12 +10,12 @@ import re
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from logdiff.config import NAMED_CONFIGS, ModelConfig
 from logdiff.errors import UserError
-from logdiff.kernels.gemm import weight_layout
 from logdiff.model import Qwen3ForCausalLM
 from logdiff.report import progress
 
@@ -58,20 +58,21 @@ class ModelSpec:
                             f"{full.name}; pass a depth in that range")
         return full.replace(name=f"{full.name}-{self.layers}l", num_hidden_layers=self.layers)
 
-    def build(self, dtype: torch.dtype) -> Qwen3ForCausalLM:
+    def build(self, dtype: torch.dtype, gemm_layout: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Qwen3ForCausalLM:
         """The model in `dtype`, weights identical for every stack that builds the same spec. Parameters are
         made in `dtype` one tensor at a time (never a whole-model copy in another dtype), on torch's default
         device (`--device`); a checkpoint's tensors stored in `dtype` stay memory-mapped on the CPU (copy-on-write:
-        nothing reaches the file), except the GEMM weights a K-major tier reads (below).
+        nothing reaches the file), unless `gemm_layout` asks for another layout or dtype (below).
 
-        Builds of one spec and dtype in a process share the weight tensors while any of them lives: a run's
-        rollout and trainer instances and the oracle hold one copy, not three. On the CPU each GEMM weight is
-        that copy in the layout logdiff's GEMM streams fastest (`gemm.weight_layout`: K-major on the FMA tiers,
-        as stored on amx-bf16; same values and shape), made here once so that neither path makes another.
+        Builds of one spec, dtype and `gemm_layout` in a process share the weight tensors while any of them lives:
+        a run's rollout and trainer instances and the oracle hold one copy, not three. `gemm_layout` (a kernel set's
+        `inference_weight`), given, makes that copy of every GEMM weight on the CPU once, in the dtype and layout the
+        kernel set's GEMMs read (the reference's: K-major on the FMA tiers, as stored on amx-bf16; same values), so
+        that neither path makes another; the oracle asks for the reference's, whose copy it then shares.
         Isolation between instances is of state, not of weight bytes: the weights are read-only to whoever did
         not make them their own, and a trainer that updates them in place first does (`own_weights`)."""
         device = torch.get_default_device()  # logdiff.devices: --device
-        key = (self, dtype, device)
+        key = (self, dtype, device, gemm_layout)
         shared = {name: ref() for name, ref in _built.get(key, {}).items()}
         if not shared or any(t is None for t in shared.values()):
             config = self.config()
@@ -81,7 +82,7 @@ class ModelSpec:
                 tensors = _checkpoint_tensors(Path(self.name), config, expected)
             else:
                 tensors = random_tensors(config, self.seed)
-            shared = {name: _as_gemms_read(name, tensor.to(device=device, dtype=dtype)) for name, tensor in tensors}
+            shared = {name: _laid_out(name, tensor.to(device=device, dtype=dtype), gemm_layout) for name, tensor in tensors}
         with torch.device("meta"):
             model = Qwen3ForCausalLM(self.config())
         load_state(model, {name: tensor.detach() for name, tensor in shared.items()})  # own Parameters, shared bytes
@@ -124,12 +125,11 @@ class ModelSpec:
         return path
 
 
-def _as_gemms_read(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """A GEMM weight (every matrix but the embedding table) in the layout logdiff's GEMM reads fastest here,
-    made once for every build to share; anything else, and anything off the CPU, as it is."""
-    if tensor.ndim < 2 or name == "model.embed_tokens.weight" or tensor.device.type != "cpu":
+def _laid_out(name: str, tensor: torch.Tensor, gemm_layout) -> torch.Tensor:
+    """A GEMM weight (every matrix but the embedding table) on the CPU through `gemm_layout`; anything else as it is."""
+    if gemm_layout is None or tensor.ndim < 2 or name == "model.embed_tokens.weight" or tensor.device.type != "cpu":
         return tensor
-    return weight_layout(tensor)
+    return gemm_layout(tensor)
 
 
 def check_model_option(model: str | None, layers: int | None) -> None:
@@ -142,7 +142,7 @@ def check_model_option(model: str | None, layers: int | None) -> None:
         ModelSpec(model, layers=layers).config()
 
 
-# (spec, dtype, device) -> weakly held weight tensors of the last build (ModelSpec.build shares them).
+# (spec, dtype, device, gemm_layout) -> weakly held weight tensors of the last build (ModelSpec.build shares them).
 _built: dict[tuple, dict[str, weakref.ref]] = {}
 
 
