@@ -130,6 +130,21 @@ def test_instances_share_weight_bytes_but_not_state():
     def storages(module):
         return {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
 
-    weights = {p.untyped_storage().data_ptr() for p in spec.build(dtype).parameters()}
+    weights = {p.untyped_storage().data_ptr() for p in spec.build(dtype, rollout_side.ops.inference_weight).parameters()}
     buffers = {b.untyped_storage().data_ptr() for b in rollout_side.model.buffers()}
     assert storages(rollout_side.model) & storages(rollout_side.engine_model) <= weights | buffers
+
+
+def test_the_reference_its_engine_and_the_oracle_hold_one_copy_of_each_gemm_weight():
+    """Memory near the checkpoint by construction: the engine reads the trainer's tensors (already in the GEMM's
+    layout) and the oracle shares them, while the baseline keeps its own layout for its library's sake."""
+    from logdiff.oracle import Oracle
+
+    spec, dtype = ModelSpec(MODEL, seed=10), torch.bfloat16
+    reference = KernelStack(spec, dtype, 64, reference_kernels())
+    oracle = Oracle(spec, dtype)
+    ptrs = [{name: p.data_ptr() for name, p in m.named_parameters()} for m in (reference.model, reference.engine_model,
+                                                                                   oracle.model)]
+    assert ptrs[0] == ptrs[1] == ptrs[2]
+    gemm = reference.model.model.layers[0].self_attn.q_proj.weight
+    assert gemm.mT.is_contiguous() or gemm.is_contiguous()  # K-major on an FMA tier, as stored on amx-bf16
