@@ -108,11 +108,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void transpose_tile16(const
   }
 }
 
-bool cpu_has_avx512() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl");
-  return has;
-}
+bool cpu_has(Tier tier);
 
 // B[k0:k0+kc, n0:n0+nc] -> row-major [kc][ldb] in B's own dtype, zero columns up to ldb.
 template <typename TB>
@@ -127,7 +123,8 @@ void pack_b(const TB* b, int64_t rs, int64_t cs, int64_t kc, int64_t nc, int64_t
   for (int64_t k = 0; k < kc; ++k) std::fill(out + k * ldb + nc, out + (k + 1) * ldb, TB(0.0f));
   // A column of B is contiguous when it is a row of a [N, K] weight (rs == 1): 16 x 16 tiles are transposed in
   // registers, each row of the weight read along k. Only data moves: the layout never reaches a reduction.
-  const bool tiles = rs == 1 && cpu_has_avx512();
+  static const bool avx512 = cpu_has(AVX512);
+  const bool tiles = rs == 1 && avx512;
   const int64_t n_tiled = tiles ? nc / 16 * 16 : 0, k_tiled = tiles ? kc / 16 * 16 : 0;
   for (int64_t n = 0; n < n_tiled; n += 16)
     for (int64_t k = 0; k < k_tiled; k += 16) transpose_tile16<TB>(b + n * cs + k, cs, out + k * ldb + n, ldb);
