@@ -95,8 +95,7 @@ class HFStack(Stack):
         processing = processing or [Processing()] * len(sequences)
         with torch.set_grad_enabled(grad), capture_hooks(self.model, capture, list(range(len(sequences)))):
             out = layout.score(lambda *columns: self._score(*columns, layout), sequences, score_from, temperatures, processing)
-        scored = [torch.arange(first - 1, len(s) - 1) for s, first in zip(sequences, score_from)]
-        capture_logprobs(capture, list(range(len(sequences))), scored, out)
+        capture_logprobs(capture, list(range(len(sequences))), [first - 1 for first in score_from], out)
         return out
 
     def _score(self, sequences, score_from, temperatures, processing, layout: TrainerLayout) -> list[torch.Tensor]:
@@ -159,8 +158,7 @@ class HFStack(Stack):
             scale = 1.0 if proc.logprobs_mode == "raw" else first.temperature
             logits = torch.stack(gen.logits, dim=1).float() / scoring_temperature(torch.tensor(scale))
         logp = F.log_softmax(logits, dim=-1).gather(2, tokens[..., None]).squeeze(2)
-        steps = torch.arange(tokens.shape[1])
-        capture_logprobs(capture, indices, [len(r.prompt) - 1 + steps for r in requests], list(logp))
+        capture_logprobs(capture, indices, [len(r.prompt) - 1 for r in requests], list(logp))
         return [RolloutOutput(t.tolist(), lp.cpu().clone()) for t, lp in zip(tokens, logp)]
 
 

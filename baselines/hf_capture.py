@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 
 from logdiff.api import locate
-from logdiff.bisect.hooks import attach
+from logdiff.bisect.hooks import attached
 
 
 @contextmanager
@@ -51,14 +51,10 @@ def capture_hooks(model, capture, requests: list[int]):
         positions = kwargs["position_ids"] if "position_ids" in kwargs else args[1]
         capture("positions", positions.expand(*shape["batch"]).flatten())
 
-    hooks = [
-        model.register_forward_pre_hook(on_forward, with_kwargs=True),
-        model.model.rotary_emb.register_forward_hook(on_rotary, with_kwargs=True),
-        *attach(model, "transformers", capture),
-    ]
+    rotary = model.model.rotary_emb.register_forward_hook(on_rotary, with_kwargs=True)
     try:
-        yield
+        with attached(model, "transformers", capture, on_forward):
+            yield
     finally:
-        for hook in hooks:
-            hook.remove()
+        rotary.remove()
 

@@ -46,7 +46,7 @@ import torch
 
 from logdiff.api import PADDINGS, Capture, TrainerLayout, TrainerOnly, Unsupported, locate
 from logdiff.bisect.capture import capture_logprobs
-from logdiff.bisect.hooks import attach
+from logdiff.bisect.hooks import attached
 
 VERL_PIN = "verl==0.9.1"
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -257,8 +257,7 @@ class VerlTrainer(TrainerOnly):
                 raise Unsupported("a capture follows verl's one packed forward; score with the default layout to bisect")
             with self._capture_hooks(capture, [len(s) for s in sequences]):
                 out = self.trainer_logprobs(sequences, score_from, temperatures)
-            capture_logprobs(capture, list(range(len(sequences))),
-                             [torch.arange(first - 1, len(s) - 1) for s, first in zip(sequences, score_from)], out)
+            capture_logprobs(capture, list(range(len(sequences))), [first - 1 for first in score_from], out)
             return out
         self._check(layout, sequences, score_from)
         n = len(sequences)
@@ -283,7 +282,6 @@ class VerlTrainer(TrainerOnly):
         self.last_entropy = entropies if self.entropy else None
         return out
 
-    @contextlib.contextmanager
     def _capture_hooks(self, capture: Capture, lengths: list[int]):
         """logdiff.bisect.hooks on the transformers model inside verl's FSDP2 engine, and the rows of its one packed
         forward (use_remove_padding: input_ids and position_ids [1, total], the sequences one after another, any
@@ -299,12 +297,7 @@ class VerlTrainer(TrainerOnly):
             locate(capture, torch.cat([request, torch.full((len(ids) - len(expected),), -1)]), positions)
             capture("tokens", ids), capture("positions", positions)
 
-        hooks = [model.register_forward_pre_hook(on_forward, with_kwargs=True), *attach(model, "transformers", capture)]
-        try:
-            yield
-        finally:
-            for hook in hooks:
-                hook.remove()
+        return attached(model, "transformers", capture, on_forward)
 
     def _check(self, layout: TrainerLayout, sequences, score_from) -> None:
         if layout.padding not in PADDINGS:

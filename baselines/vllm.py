@@ -231,8 +231,7 @@ class VLLMStack(RemoteRollout):
                                   "upto": getattr(capture, "upto", None), "out": str(out)}
             reply = self.call(options, message, modes.pop())
             replay(capture, torch.load(out))
-        capture_logprobs(capture, list(range(len(requests))),
-                         [torch.arange(len(r.prompt) - 1, len(r.prompt) - 1 + len(t)) for r, t in zip(requests, reply["tokens"])],
+        capture_logprobs(capture, list(range(len(requests))), [len(r.prompt) - 1 for r in requests],
                          [torch.tensor(lp, dtype=torch.float32) for lp in reply["logprobs"]])
         return list(zip(reply["tokens"], reply["logprobs"]))
 

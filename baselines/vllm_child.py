@@ -152,7 +152,7 @@ def _start_capture(worker, hooks_path: str, request: int, upto: int) -> None:
         kept.locate(row_request, positions.cpu().long(), starts[1:] - 1)
         kept("tokens", ids.long()), kept("positions", positions.long())
 
-    handles = [model.register_forward_pre_hook(on_forward, with_kwargs=True), *hooks.attach(model, "vllm", kept)]
+    handles = hooks.attach(model, "vllm", kept, on_forward)
     worker.logdiff_capture = (kept, handles)
 
 

@@ -131,8 +131,7 @@ class LeftPaddedTrainer(HFStack):
             logits = self.model(input_ids=ids, attention_mask=mask).logits
         out = [F.log_softmax(logits[i, pad + first - 1 : -1].float(), dim=-1).gather(1, ids[i, pad + first :, None]).squeeze(1)
                for i, (pad, first) in enumerate(zip(pads, score_from))]
-        scored = [torch.arange(first - 1, len(s) - 1) for s, first in zip(sequences, score_from)]
-        capture_logprobs(capture, list(range(len(sequences))), scored, out)
+        capture_logprobs(capture, list(range(len(sequences))), [first - 1 for first in score_from], out)
         return out
 
 

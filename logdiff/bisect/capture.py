@@ -186,12 +186,13 @@ class Recorder:
             store[pos] = tensor[row].detach().clone()
 
 
-def capture_logprobs(capture: Capture, requests: list[int], positions: list[torch.Tensor], logprobs: list[torch.Tensor]) -> None:
-    """The `logprob` point: logprobs[b][j] scores the token after position positions[b][j] of request requests[b]."""
+def capture_logprobs(capture: Capture, requests: list[int], first_rows: list[int], logprobs: list[torch.Tensor]) -> None:
+    """The `logprob` point: logprobs[b][j] scores the token after position first_rows[b] + j of request requests[b]
+    (a trainer's first row is score_from - 1, a rollout's the prompt's last)."""
     if capture is None:
         return
-    request = torch.cat([torch.full((len(p),), r) for r, p in zip(requests, positions)])
-    locate(capture, request, torch.cat(positions))
+    request = torch.cat([torch.full((len(lp),), r) for r, lp in zip(requests, logprobs)])
+    locate(capture, request, torch.cat([first + torch.arange(len(lp)) for first, lp in zip(first_rows, logprobs)]))
     capture("logprob", torch.cat(logprobs))
 
 

@@ -25,6 +25,7 @@ engine's part (`locate`), as is `tokens` / `positions`.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -41,11 +42,23 @@ def _rows(tensor: torch.Tensor, packed: bool) -> torch.Tensor:
     return tensor if packed else tensor.flatten(0, 1)
 
 
-def attach(model: torch.nn.Module, family: str, emit: Emit) -> list:
+@contextmanager
+def attached(model: torch.nn.Module, family: str, emit: Emit, on_forward: Callable):
+    """`attach` for the length of a `with` block."""
+    hooks = attach(model, family, emit, on_forward)
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def attach(model: torch.nn.Module, family: str, emit: Emit, on_forward: Callable) -> list:
     """Hooks on `model` (a transformers or vLLM Qwen3 / Qwen3-MoE causal LM: `family` "transformers" or
-    "vllm") that report every capture point they see to `emit`; returns the handles, to `remove()`."""
+    "vllm") that report every capture point they see to `emit`, after `on_forward(model, args, kwargs)`, the
+    engine's own pre-hook on the whole forward, has located its rows; returns the handles, to `remove()`."""
     packed = family == "vllm"
-    hooks = []
+    hooks = [model.register_forward_pre_hook(on_forward, with_kwargs=True)]
 
     def after(module, point: Callable):
         hooks.append(module.register_forward_hook(lambda m, args, out: point(out)))
