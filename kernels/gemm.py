@@ -35,11 +35,13 @@ SOURCE = Path(__file__).parent / "csrc" / "fixed_gemm.cpp"
 FMA_TIERS = ("portable", "avx2", "avx512")
 BF16_TIERS = ("avx512-bf16", "amx-bf16")
 TIERS = FMA_TIERS + BF16_TIERS  # the C++ enum's order, slowest first
+# -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers, which runs on one thread without it.
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 
 
 def cache_dir() -> Path:
     root = Path(os.environ.get("LOGDIFF_CACHE") or Path.home() / ".cache" / "logdiff")
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
     return root / f"gemm-{digest}"
 
 
@@ -70,8 +72,8 @@ def _build_and_load(library: Path) -> None:
     build = Path(tempfile.mkdtemp(prefix=".build-", dir=library.parent))
     print(f"logdiff: compiling the fixed-order GEMM into {library.parent} (once; about 30 s)", flush=True)
     try:
-        cpp_extension.load(name="logdiff_gemm", sources=[str(SOURCE)], build_directory=str(build),
-                           extra_cflags=["-O3", "-ffp-contract=off"], is_python_module=False, verbose=False)
+        cpp_extension.load(name="logdiff_gemm", sources=[str(SOURCE)], build_directory=str(build), extra_cflags=CFLAGS,
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except (RuntimeError, OSError) as e:
         log = library.parent / "build.log"
         log.write_text(str(e))
@@ -101,9 +103,9 @@ def tiers() -> dict[str, str]:
         raise UserError(f"LOGDIFF_GEMM_TIER={chosen} does not run on this CPU; choose one of {', '.join(here)}")
     if chosen in FMA_TIERS:
         return {"fp32/fp16": chosen, "bf16": chosen}
-    # Not avx512-bf16 by default: it packs the weight's pairs per call, and the avx512 FMA tier is faster at
-    # every M measured (M 1: 16.8 vs 7.9 GB/s; M 512: 108 vs 87 GFLOP/s; K 2048, N 6144, one thread).
-    return {"fp32/fp16": fma, "bf16": chosen or ("amx-bf16" if "amx-bf16" in here else fma)}
+    # The pair tiers beat the FMA tiers at every M measured (avx512-bf16 vs avx512, K-major weight K 2048 x
+    # N 6144, 2 threads: M 1 25 vs 22 GB/s, M 64 349 vs 187 GFLOP/s, M 512 414 vs 203).
+    return {"fp32/fp16": fma, "bf16": chosen or next(t for t in (*reversed(BF16_TIERS), fma) if t in here)}
 
 
 def tier_for(a: torch.dtype, b: torch.dtype) -> str:
@@ -133,33 +135,35 @@ def mm(a: torch.Tensor, b: torch.Tensor, tier_name: str | None = None) -> torch.
 
 
 class _MatMul(torch.autograd.Function):
-    """mm with its backward on the same GEMM: da = g @ b.T (reduced over N in ascending order), db = a.T @ g
-    (reduced over M, the tokens, in ascending order): deterministic whatever the thread count."""
+    """mm rounded once to out_dtype, with its backward on the same GEMM: da = g @ b.T (reduced over N in
+    ascending order), db = a.T @ g (reduced over M, the tokens, in ascending order): deterministic whatever
+    the thread count. The rounding is inside, so a bf16 output's gradient arrives as bf16 and a bf16 model's
+    backward runs on the bf16 tier, as its forward does."""
 
     @staticmethod
-    def forward(ctx, a, b):
+    def forward(ctx, a, b, out_dtype):
         ctx.save_for_backward(a, b)
-        return mm(a, b)
+        return mm(a, b).to(out_dtype)
 
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved_tensors
         da = mm(g, b.mT).to(a.dtype) if ctx.needs_input_grad[0] else None
         db = mm(a.mT, g).to(b.dtype) if ctx.needs_input_grad[1] else None
-        return da, db
+        return da, db, None
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`mm`, differentiable: fp32 [..., M, N]."""
+def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`mm`, differentiable, rounded once to `out_dtype`: [..., M, N]."""
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        return _MatMul.apply(a, b)
-    return mm(a, b)
+        return _MatMul.apply(a, b, out_dtype)
+    return mm(a, b).to(out_dtype)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [.., N, in] @ w [.., out, in].T, one fixed reduction order, differentiable; rounded once to
     `out_dtype` (default x's)."""
-    return matmul(x, w.mT).to(out_dtype or x.dtype)
+    return matmul(x, w.mT, out_dtype or x.dtype)
 
 
 linear.gemm_backend = "logdiff GEMM (one fixed K order)"  # as reports name it (KernelSet.provenance)

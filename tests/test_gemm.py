@@ -122,6 +122,22 @@ def test_it_is_the_fp32_gemm_of_the_stored_values(tier, dtype, k_major, m, k, n)
     assert (out.double() - exact).abs().max() < 1e-3
 
 
+@pytest.mark.parametrize("m,k,n", [(1, 2048, 200), (5, 512, 64), (13, 768, 130), (200, 96, 300), (7, 33, 65)])
+@pytest.mark.parametrize("tier,dtype", [(t, d) for t in gemm.tiers_here() for d in dtypes_of(t)])
+def test_the_operands_layout_changes_no_bit(tier, dtype, m, k, n):
+    """x as rows or as the transpose of [K, M]; w as stored or K-major: a tier reads each in place or packs it
+    (a bf16 pair tier interleaves two rows of a K-major weight in registers, transposes words of a stored
+    one), and none of that may reach a bit. Odd K pads a pair with zero."""
+    gen = torch.Generator().manual_seed(m + k + n)
+    x, w = torch.randn(m, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype)
+    outs = {(x_layout, w_layout): gemm.mm(xl, wl.mT, tier)
+            for x_layout, xl in (("rows", x), ("columns", x.mT.contiguous().mT))
+            for w_layout, wl in (("stored", w), ("K-major", w.mT.contiguous().mT))}
+    first = outs["rows", "stored"]
+    for layout, out in outs.items():
+        assert torch.equal(bits(out), bits(first)), f"{tier} {layout} vs rows/stored: {first_difference(out, first)}"
+
+
 def test_batched_operands_with_any_strides():
     gen = torch.Generator().manual_seed(2)
     a = torch.randn(3, 4, 10, 33, generator=gen)
@@ -147,6 +163,19 @@ def test_backward_uses_the_same_gemm_and_is_deterministic():
     assert torch.equal(bits(dx), bits(gemm.mm(dy, w.detach())))  # dX = dY W, reduced over the outputs in order
     assert torch.equal(bits(dw), bits(gemm.mm(dy.mT, x.detach())))  # dW = dY^T X, reduced over the tokens in order
     torch.testing.assert_close(dx, dy @ w.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_bf16_linear_runs_its_backward_on_the_bf16_tier():
+    """The output's rounding sits inside the autograd function, so the gradient arrives as bf16 and both
+    backward GEMMs take bf16 x bf16, as the forward does."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(37, 64, generator=gen).bfloat16().requires_grad_()
+    w = torch.randn(48, 64, generator=gen).bfloat16().requires_grad_()
+    dy = torch.randn(37, 48, generator=gen).bfloat16()
+    dx, dw = torch.autograd.grad(linear(x, w), (x, w), dy)
+    assert dx.dtype == dw.dtype == torch.bfloat16
+    assert torch.equal(dx, gemm.mm(dy, w.detach()).bfloat16())
+    assert torch.equal(dw, gemm.mm(dy.mT, x.detach()).bfloat16())
 
 
 def test_a_tier_the_cpu_cannot_run_is_one_line(monkeypatch):

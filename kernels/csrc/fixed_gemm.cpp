@@ -321,20 +321,6 @@ using bf16 = c10::BFloat16;
 // Two bf16 of consecutive k as one 32-bit word, the even k in the low half: what vdpbf16ps and tdpbf16ps read.
 inline uint32_t pair(bf16 even, bf16 odd) { return uint32_t(even.x) | (uint32_t(odd.x) << 16); }
 
-// B[k0:k0+kc, n0:n0+nc] -> words [pairs][ldb]: word (p, n) = (b[2p][n], b[2p+1][n]); zeros past kc and nc.
-void pack_b_pairs(const bf16* b, int64_t rs, int64_t cs, int64_t kc, int64_t nc, int64_t pairs, int64_t ldb,
-                  uint32_t* out) {
-  const bf16 zero(0.0f);
-  for (int64_t p = 0; p < pairs; ++p) {
-    const bf16* even = b + 2 * p * rs;
-    const bool has_odd = 2 * p + 1 < kc, has_even = 2 * p < kc;
-    uint32_t* row = out + p * ldb;
-    for (int64_t n = 0; n < nc; ++n)
-      row[n] = pair(has_even ? even[n * cs] : zero, has_odd ? even[rs + n * cs] : zero);
-    std::fill(row + nc, row + ldb, 0u);
-  }
-}
-
 // Word (m, p) of a [count x K] bf16 operand (row stride rs, k stride cs): (a[m][2p], a[m][2p+1]), zero past
 // count and K.
 inline uint32_t pair_word(const bf16* a, int64_t rs, int64_t cs, int64_t count, int64_t K, int64_t m, int64_t p) {
@@ -357,82 +343,189 @@ void pack_a_pairs(const bf16* a, int64_t rs, int64_t cs, int64_t mc, int64_t kc,
   }
 }
 
-// AVX512-BF16: ROWS rows of A (pair words, row stride lda) x 64 columns of packed B.
-template <int ROWS>
+// AVX512-BF16. A is read as words [m][pair] of bf16 rows (lda bf16 apart): in place when its k are
+// contiguous and K is even, else packed once per call with K padded to even. B is read in one of two ways,
+// both giving the micro-kernel words (b[2p][n], b[2p+1][n]) for 16 n per vector:
+//  - B_ROWS: rows of n contiguous (a K-major weight, an activation): rows 2p and 2p+1 read in place and
+//    interleaved by unpacklo/unpackhi_epi16, whose per-128-bit-lane order (columns 0-3, 8-11, .. in the
+//    low vector, 4-7, 12-15, .. in the high) the accumulators keep until they are stored;
+//  - B_WORDS: words [pairs][ldb] packed per K block (a weight as stored: 16 x 16 words transposed).
+// Only which words sit in which register differs: every element takes its pairs in ascending order.
+enum BRead { B_ROWS, B_WORDS };
+
+inline uint32_t word_at(const bf16* p) {
+  uint32_t w;
+  std::memcpy(&w, p, 4);
+  return w;
+}
+
+// Columns 32h + (0-3, 8-11, 16-19, 24-27) in lo and + (4-7, ..) in hi <-> columns 32h + 0-15 and + 16-31.
+__attribute__((target("avx512f"))) inline void unpack_order_to_columns(__m512& lo, __m512& hi) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512 a = _mm512_permutex2var_ps(lo, first, hi), b = _mm512_permutex2var_ps(lo, second, hi);
+  lo = a;
+  hi = b;
+}
+__attribute__((target("avx512f"))) inline void columns_to_unpack_order(__m512& first, __m512& second) {
+  const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const __m512 a = _mm512_permutex2var_ps(first, lo, second), b = _mm512_permutex2var_ps(first, hi, second);
+  first = a;
+  second = b;
+}
+
+// ROWS rows of A x 64 columns of B (`cols` of them real: a B_ROWS read masks the rest to zero) into c (ldc).
+template <BRead READ, int ROWS>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void micro_dpbf16(
-    int64_t pairs, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb, float* c, int64_t ldc, bool first) {
+    int64_t pairs, const bf16* a, int64_t lda, const void* b, int64_t ldb, int64_t cols, float* c, int64_t ldc,
+    bool first) {
   constexpr int NV = 4;
   __m512 acc[ROWS][NV];
-  for (int r = 0; r < ROWS; ++r)
+  for (int r = 0; r < ROWS; ++r) {
     for (int v = 0; v < NV; ++v) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + v * 16);
+    if (READ == B_ROWS && !first)
+      for (int v = 0; v < NV; v += 2) columns_to_unpack_order(acc[r][v], acc[r][v + 1]);
+  }
+  const __mmask32 mask0 = cols >= 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
+  const __mmask32 mask1 = cols >= 64 ? ~__mmask32(0) : cols <= 32 ? 0 : (__mmask32(1) << (cols - 32)) - 1;
   for (int64_t p = 0; p < pairs; ++p) {
     __m512i bv[NV];
-    for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_si512(b + p * ldb + v * 16);
+    if constexpr (READ == B_ROWS) {
+      const bf16* even = static_cast<const bf16*>(b) + 2 * p * ldb;
+      const bf16* odd = even + ldb;
+      const __m512i e0 = _mm512_maskz_loadu_epi16(mask0, even), o0 = _mm512_maskz_loadu_epi16(mask0, odd);
+      const __m512i e1 = _mm512_maskz_loadu_epi16(mask1, even + 32), o1 = _mm512_maskz_loadu_epi16(mask1, odd + 32);
+      bv[0] = _mm512_unpacklo_epi16(e0, o0);
+      bv[1] = _mm512_unpackhi_epi16(e0, o0);
+      bv[2] = _mm512_unpacklo_epi16(e1, o1);
+      bv[3] = _mm512_unpackhi_epi16(e1, o1);
+    } else {
+      const uint32_t* row = static_cast<const uint32_t*>(b) + p * ldb;
+      for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_si512(row + v * 16);
+    }
     for (int r = 0; r < ROWS; ++r) {
-      const __m512i av = _mm512_set1_epi32(static_cast<int>(a[r * lda + p]));
+      const __m512i av = _mm512_set1_epi32(static_cast<int>(word_at(a + r * lda + 2 * p)));
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)av, (__m512bh)bv[v]);
     }
   }
-  for (int r = 0; r < ROWS; ++r)
+  for (int r = 0; r < ROWS; ++r) {
+    if (READ == B_ROWS)
+      for (int v = 0; v < NV; v += 2) unpack_order_to_columns(acc[r][v], acc[r][v + 1]);
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(c + r * ldc + v * 16, acc[r][v]);
-}
-
-void micro_dpbf16_rows(int rows, int64_t pairs, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
-                       float* c, int64_t ldc, bool first) {
-  switch (rows) {
-    case 1: return micro_dpbf16<1>(pairs, a, lda, b, ldb, c, ldc, first);
-    case 2: return micro_dpbf16<2>(pairs, a, lda, b, ldb, c, ldc, first);
-    case 3: return micro_dpbf16<3>(pairs, a, lda, b, ldb, c, ldc, first);
-    case 4: return micro_dpbf16<4>(pairs, a, lda, b, ldb, c, ldc, first);
-    case 5: return micro_dpbf16<5>(pairs, a, lda, b, ldb, c, ldc, first);
-    case 6: return micro_dpbf16<6>(pairs, a, lda, b, ldb, c, ldc, first);
   }
 }
 
-// out[b] = a[b] @ bm[b], bf16 x bf16 on AVX512-BF16. Per K block (KC): B and A packed to pair words
-// (zero k padding to even), each MR x 64 micro-block resuming its fp32 accumulators.
+template <BRead READ>
+void micro_dpbf16_rows(int rows, int64_t pairs, const bf16* a, int64_t lda, const void* b, int64_t ldb,
+                       int64_t cols, float* c, int64_t ldc, bool first) {
+  switch (rows) {
+    case 1: return micro_dpbf16<READ, 1>(pairs, a, lda, b, ldb, cols, c, ldc, first);
+    case 2: return micro_dpbf16<READ, 2>(pairs, a, lda, b, ldb, cols, c, ldc, first);
+    case 3: return micro_dpbf16<READ, 3>(pairs, a, lda, b, ldb, cols, c, ldc, first);
+    case 4: return micro_dpbf16<READ, 4>(pairs, a, lda, b, ldb, cols, c, ldc, first);
+    case 5: return micro_dpbf16<READ, 5>(pairs, a, lda, b, ldb, cols, c, ldc, first);
+    case 6: return micro_dpbf16<READ, 6>(pairs, a, lda, b, ldb, cols, c, ldc, first);
+  }
+}
+
+// B[k0:k0+kc, n0:n0+nc] -> words [pairs][ldb], zeros past kc and nc. Rows of n contiguous (cs == 1): two rows
+// interleaved 32 columns at a time (unpack, then back to column order). A column of B contiguous along k (rs ==
+// 1, a weight as stored) already holds its pairs as words: 16 x 16 words are transposed in registers.
+__attribute__((target("avx512f,avx512bw"))) void pack_b_words(const bf16* b, int64_t rs, int64_t cs, int64_t kc,
+                                                               int64_t nc, int64_t pairs, int64_t ldb, uint32_t* out) {
+  if (cs == 1 && kc % 2 == 0) {
+    for (int64_t p = 0; p < pairs; ++p) {
+      const bf16* even = b + 2 * p * rs;
+      uint32_t* row = out + p * ldb;
+      for (int64_t n = 0; n < ldb; n += 32) {
+        const int64_t left = std::clamp<int64_t>(nc - n, 0, 32);
+        const __mmask32 mask = left == 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1;
+        const __m512i e = _mm512_maskz_loadu_epi16(mask, even + n), o = _mm512_maskz_loadu_epi16(mask, even + rs + n);
+        __m512 lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(e, o)), hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(e, o));
+        unpack_order_to_columns(lo, hi);
+        _mm512_storeu_ps(row + n, lo);
+        _mm512_storeu_ps(row + n + 16, hi);
+      }
+    }
+    return;
+  }
+  const bool tiles = rs == 1 && kc % 2 == 0;
+  const int64_t n_tiled = tiles ? nc / 16 * 16 : 0, p_tiled = tiles ? pairs / 16 * 16 : 0;
+  for (int64_t n = 0; n < n_tiled; n += 16)
+    for (int64_t p = 0; p < p_tiled; p += 16) {
+      // word (n, p) of the source sits at b + n * cs + 2p: a [n][p] matrix of words whose rows are cs bf16 apart
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(b + (n + i) * cs + 2 * p);
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + (p + i) * ldb + n, r[i]);
+    }
+  const bf16 zero(0.0f);
+  for (int64_t p = 0; p < pairs; ++p) {
+    uint32_t* row = out + p * ldb;
+    const bool has_odd = 2 * p + 1 < kc;
+    for (int64_t n = p < p_tiled ? n_tiled : 0; n < nc; ++n)
+      row[n] = pair(b[2 * p * rs + n * cs], has_odd ? b[(2 * p + 1) * rs + n * cs] : zero);
+    std::fill(row + nc, row + ldb, 0u);
+  }
+}
+
+// out[b] = a[b] @ bm[b], bf16 x bf16 on AVX512-BF16, each MR x 64 micro-block resuming its fp32 accumulators
+// from one K block (KC) to the next.
 void gemm_dpbf16(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_t K, float* out) {
   constexpr int64_t width = 64;
   const Plan plan(batch, M, N);
+  // B's rows interleaved in the micro-kernel while a task makes one pass over them (decode), packed otherwise.
+  const bool b_rows = bm.col == 1 && K % 2 == 0;
+  // A in place, or packed once: rows of K rounded up to even, the pad a zero the pair's partner multiplies.
+  const bool a_in_place = a.col == 1 && K % 2 == 0;
+  const int64_t lda = a_in_place ? a.row : K + K % 2, a_batch = a_in_place ? a.batch : M * lda;
+  std::vector<bf16> apack(a_in_place ? 0 : batch * M * lda);
+  if (!a_in_place) {
+    at::parallel_for(0, batch * M, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const bf16* row = static_cast<const bf16*>(a.data) + (t / M) * a.batch + (t % M) * a.row;
+        bf16* dst = apack.data() + t * lda;
+        for (int64_t k = 0; k < K; ++k) dst[k] = row[k * a.col];
+        if (K % 2) dst[K] = bf16(0.0f);
+      }
+    });
+  }
+  const bf16* a_data = a_in_place ? static_cast<const bf16*>(a.data) : apack.data();
   at::parallel_for(0, plan.tasks, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<uint32_t> apack, bpack;
+    thread_local std::vector<uint32_t> bpack;
     thread_local std::vector<float> tile;
-    const int64_t ldb = (NC + width - 1) / width * width, pairs_max = KC / 2;
-    apack.resize(((MC + MR - 1) / MR) * MR * pairs_max);
-    bpack.resize(pairs_max * ldb);
+    const int64_t ldb = (NC + width - 1) / width * width;
+    bpack.resize(KC / 2 * ldb);
     tile.resize(MR * width);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bi = plan.batch_item(task);
-      const bf16* a_base = static_cast<const bf16*>(a.data) + bi * a.batch;
+      const bf16* a_base = a_data + bi * a_batch;
       const bf16* b_base = static_cast<const bf16*>(bm.data) + bi * bm.batch;
       float* c_base = out + bi * M * N;
       const int64_t n0 = plan.n_block(task) * NC, nc = std::min(NC, N - n0);
       const int64_t m_lo = plan.m_lo(task), m_hi = plan.m_hi(task, M);
+      const bool in_place = b_rows && m_hi - m_lo <= MR;
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
-        const int64_t kc = std::min(KC, K - k0);
-        const int64_t pairs = (kc + 1) / 2;
-        pack_b_pairs(b_base + k0 * bm.row + n0 * bm.col, bm.row, bm.col, kc, nc, pairs, ldb, bpack.data());
-        for (int64_t m0 = m_lo; m0 < m_hi; m0 += MC) {
-          const int64_t mc = std::min(MC, m_hi - m0);
-          pack_a_pairs(a_base + m0 * a.row + k0 * a.col, a.row, a.col, mc, kc, mc, pairs, apack.data());
-          for (int64_t i = 0; i < mc; i += MR) {
-            const int rows = static_cast<int>(std::min<int64_t>(MR, mc - i));
-            const uint32_t* ap = apack.data() + i * pairs;
-            float* c = c_base + (m0 + i) * N + n0;
-            for (int64_t j = 0; j < nc; j += width) {
-              const int64_t cols = std::min(width, nc - j);
-              if (cols == width) {
-                micro_dpbf16_rows(rows, pairs, ap, pairs, bpack.data() + j, ldb, c + j, N, k0 == 0);
-                continue;
-              }
-              // a partial panel runs on a staging tile; its zero columns are computed, not kept
-              if (k0 > 0)
-                for (int r = 0; r < rows; ++r)
-                  for (int64_t q = 0; q < cols; ++q) tile[r * width + q] = c[r * N + j + q];
-              micro_dpbf16_rows(rows, pairs, ap, pairs, bpack.data() + j, ldb, tile.data(), width, k0 == 0);
+        const int64_t kc = std::min(KC, K - k0), pairs = (kc + 1) / 2;
+        const bf16* bk = b_base + k0 * bm.row + n0 * bm.col;
+        if (!in_place) pack_b_words(bk, bm.row, bm.col, kc, nc, pairs, ldb, bpack.data());
+        for (int64_t m0 = m_lo; m0 < m_hi; m0 += MR) {
+          const int rows = static_cast<int>(std::min<int64_t>(MR, m_hi - m0));
+          const bf16* ap = a_base + m0 * lda + k0;
+          float* c = c_base + m0 * N + n0;
+          for (int64_t j = 0; j < nc; j += width) {
+            const int64_t cols = std::min(width, nc - j);
+            float* cj = cols == width ? c + j : tile.data();
+            const int64_t ldc = cols == width ? N : width;
+            if (cols < width && k0 > 0)  // a partial panel runs on a staging tile; its zero columns are not kept
+              for (int r = 0; r < rows; ++r)
+                for (int64_t q = 0; q < cols; ++q) tile[r * width + q] = c[r * N + j + q];
+            if (in_place) micro_dpbf16_rows<B_ROWS>(rows, pairs, ap, lda, bk + j, bm.row, cols, cj, ldc, k0 == 0);
+            else micro_dpbf16_rows<B_WORDS>(rows, pairs, ap, lda, bpack.data() + j, ldb, cols, cj, ldc, k0 == 0);
+            if (cols < width)
               for (int r = 0; r < rows; ++r)
                 for (int64_t q = 0; q < cols; ++q) c[r * N + j + q] = tile[r * width + q];
-            }
           }
         }
       }
