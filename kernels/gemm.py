@@ -126,11 +126,12 @@ def weight_layout(w: torch.Tensor) -> torch.Tensor:
 def mm(a: torch.Tensor, b: torch.Tensor, tier_name: str | None = None) -> torch.Tensor:
     """a [..., M, K] @ b [..., K, N] (same leading dims, any strides, fp32/bf16/fp16) -> fp32 [..., M, N], on
     `tier_name` (default: this process's tier for the operands' dtypes)."""
+    tier = TIERS.index(tier_name or tier_for(a.dtype, b.dtype))
+    if a.dim() == b.dim() <= 3:  # what the op takes as it is: a decode step makes hundreds of small calls
+        return _ops().mm(a, b, tier)
     lead = a.shape[:-2]
     batch = lead.numel()
-    a3 = a.reshape(batch, *a.shape[-2:])
-    b3 = b.reshape(batch, *b.shape[-2:])
-    out = _ops().mm(a3, b3, TIERS.index(tier_name or tier_for(a.dtype, b.dtype)))
+    out = _ops().mm(a.reshape(batch, *a.shape[-2:]), b.reshape(batch, *b.shape[-2:]), tier)
     return out.view(*lead, *out.shape[-2:])
 
 

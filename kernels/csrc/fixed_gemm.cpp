@@ -30,6 +30,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -234,30 +235,35 @@ void micro(Tier tier, int rows, int64_t kc, const float* ap, const TB* b, int64_
 // ------------------------------------------------------------------------------------------- driver
 
 // Tasks: a task owns an (N block, M range) of one batch item, whole K, so the partition decides nothing
-// about any element's reduction. M ranges (whole MC blocks) give every thread work when N alone does not.
+// about any element's reduction. N blocks (at most NC, whole 64-column panels) and M ranges (whole units of
+// `m_unit` rows) are cut even, so that the threads' shares are: a 384 x 128 expert GEMM cut 256 + 128 and
+// 96 + 32 gave one of two threads twice the other's work. M ranges give every thread work when N alone does not.
 struct Plan {
-  int64_t n_blocks, m_blocks_per_task, m_tasks, tasks;
+  int64_t n_step, n_blocks, m_step, m_tasks, tasks;
 
-  Plan(int64_t batch, int64_t M, int64_t N) {
-    n_blocks = (N + NC - 1) / NC;
-    const int64_t m_blocks_total = (M + MC - 1) / MC;
+  Plan(int64_t batch, int64_t M, int64_t N, int64_t m_unit) {
+    const int64_t even_blocks = (N + NC - 1) / NC;
+    n_step = ((N + even_blocks - 1) / even_blocks + 63) / 64 * 64;
+    n_blocks = (N + n_step - 1) / n_step;
+    const int64_t units = (M + m_unit - 1) / m_unit;
     const int64_t want = std::max<int64_t>(1, (2 * at::get_num_threads() + batch * n_blocks - 1) / (batch * n_blocks));
-    const int64_t ranges = std::min(want, m_blocks_total);
-    m_blocks_per_task = (m_blocks_total + ranges - 1) / ranges;
-    m_tasks = (m_blocks_total + m_blocks_per_task - 1) / m_blocks_per_task;
+    const int64_t ranges = std::min(want, units);
+    m_step = (units + ranges - 1) / ranges * m_unit;
+    m_tasks = (M + m_step - 1) / m_step;
     tasks = batch * n_blocks * m_tasks;
   }
   int64_t batch_item(int64_t task) const { return task / (n_blocks * m_tasks); }
-  int64_t n_block(int64_t task) const { return (task / m_tasks) % n_blocks; }
-  int64_t m_lo(int64_t task) const { return (task % m_tasks) * m_blocks_per_task * MC; }
-  int64_t m_hi(int64_t task, int64_t M) const { return std::min(M, m_lo(task) + m_blocks_per_task * MC); }
+  int64_t n0(int64_t task) const { return (task / m_tasks) % n_blocks * n_step; }
+  int64_t nc(int64_t task, int64_t N) const { return std::min(n_step, N - n0(task)); }
+  int64_t m_lo(int64_t task) const { return (task % m_tasks) * m_step; }
+  int64_t m_hi(int64_t task, int64_t M) const { return std::min(M, m_lo(task) + m_step); }
 };
 
 // out[b] (fp32 [M, N], contiguous) = a[b] @ bm[b] on an FMA tier.
 template <typename TA, typename TB>
 void gemm(Tier tier, Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_t K, float* out) {
   const int64_t width = panel_width(tier);
-  const Plan plan(batch, M, N);
+  const Plan plan(batch, M, N, MR);
 
   at::parallel_for(0, plan.tasks, 1, [&](int64_t begin, int64_t end) {
     // Per thread, kept between calls: a decode step makes hundreds of small GEMMs.
@@ -271,7 +277,7 @@ void gemm(Tier tier, Strided a, Strided bm, int64_t batch, int64_t M, int64_t N,
       const TA* a_base = static_cast<const TA*>(a.data) + bi * a.batch;
       const TB* b_base = static_cast<const TB*>(bm.data) + bi * bm.batch;
       float* c_base = out + bi * M * N;
-      const int64_t n0 = plan.n_block(task) * NC, nc = std::min(NC, N - n0);
+      const int64_t n0 = plan.n0(task), nc = plan.nc(task, N);
       const int64_t m_lo = plan.m_lo(task), m_hi = plan.m_hi(task, M);
       // B is read in place when its columns are contiguous and whole panels; otherwise packed.
       const bool in_place = bm.col == 1 && (tier == PORTABLE || nc % width == 0);
@@ -474,7 +480,7 @@ __attribute__((target("avx512f,avx512bw"))) void pack_b_words(const bf16* b, int
 // from one K block (KC) to the next.
 void gemm_dpbf16(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_t K, float* out) {
   constexpr int64_t width = 64;
-  const Plan plan(batch, M, N);
+  const Plan plan(batch, M, N, MR);
   // B's rows interleaved in the micro-kernel while a task makes one pass over them (decode), packed otherwise.
   const bool b_rows = bm.col == 1 && K % 2 == 0;
   // A in place, or packed once: rows of K rounded up to even, the pad a zero the pair's partner multiplies.
@@ -503,7 +509,7 @@ void gemm_dpbf16(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int
       const bf16* a_base = a_data + bi * a_batch;
       const bf16* b_base = static_cast<const bf16*>(bm.data) + bi * bm.batch;
       float* c_base = out + bi * M * N;
-      const int64_t n0 = plan.n_block(task) * NC, nc = std::min(NC, N - n0);
+      const int64_t n0 = plan.n0(task), nc = plan.nc(task, N);
       const int64_t m_lo = plan.m_lo(task), m_hi = plan.m_hi(task, M);
       const bool in_place = b_rows && m_hi - m_lo <= MR;
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
@@ -533,11 +539,16 @@ void gemm_dpbf16(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int
   });
 }
 
-// AMX-BF16, computed as C^T = W X^T: a weight [N, K] as stored (a B of row stride 1) is read in place as
-// the tiles' A operand, 16 rows of 32 k each, so a decode step streams the weight once and packs only
-// its few activation rows. Tiles 0-3 hold a 32 (n) x 32 (m) block of C^T, 4-5 two 16-row slices of W,
-// 6-7 two 16-column slices of X's pairs. Per element it is the same sequence as C = X W^T: products of a
-// pair commute, the pairs and tdpbf16ps steps go in ascending k either way.
+// AMX-BF16, in one of two forms; per element both take the same products (a product of two bf16 commutes)
+// in the same order, 16 pairs per tdpbf16ps, pairs in ascending k, so the form never changes a bit:
+//  - C^T = W X^T, when few rows meet a weight as stored (a B of row stride 1): the weight is read in place as
+//    the tiles' A operand, 16 rows of 32 k each, so a decode step streams it once and packs only its few
+//    activation rows;
+//  - C = X W^T otherwise: A read in place as the tiles' A operand (or packed once), B packed per K block
+//    into words (b[2p][n], b[2p+1][n]), the tiles' B operand, reused by every row block of the task; C
+//    stays in the output between K blocks, resumed exactly as fp32.
+// Tiles 0-3 hold a 32 x 32 block of the result, 4-5 two 16-row slices of the A operand, 6-7 two 16-column
+// slices of the B operand.
 struct TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
@@ -582,6 +593,39 @@ __attribute__((target("amx-tile,amx-bf16"))) void micro_amx(int64_t pairs, const
   _tile_stored(3, ct + 16 * 32 + 16, LDC);
 }
 
+// c (in/out): a 32 x 32 fp32 block at stride ldc floats, zeroed (first) or resumed; x: 32 rows of bf16 at
+// stride lda, `pairs` words each; w: `pairs` rows of 32 words at stride ldw. `pairs` is a multiple of 16.
+__attribute__((target("amx-tile,amx-bf16"))) void micro_amx_c(int64_t pairs, const bf16* x, int64_t lda,
+                                                             const uint32_t* w, int64_t ldw, float* c, int64_t ldc,
+                                                             bool first) {
+  const int64_t cb = ldc * 4, xb = lda * 2, wb = ldw * 4;
+  if (first) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  } else {
+    _tile_loadd(0, c, cb);
+    _tile_loadd(1, c + 16, cb);
+    _tile_loadd(2, c + 16 * ldc, cb);
+    _tile_loadd(3, c + 16 * ldc + 16, cb);
+  }
+  for (int64_t p = 0; p < pairs; p += 16) {
+    _tile_loadd(4, x + 2 * p, xb);
+    _tile_loadd(5, x + 16 * lda + 2 * p, xb);
+    _tile_loadd(6, w + p * ldw, wb);
+    _tile_loadd(7, w + p * ldw + 16, wb);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, cb);
+  _tile_stored(1, c + 16, cb);
+  _tile_stored(2, c + 16 * ldc, cb);
+  _tile_stored(3, c + 16 * ldc + 16, cb);
+}
+
 // dst[j][i] = src[i][j] for a 16 x 16 block of fp32 (unpack, then shuffles of pairs and of 128-bit lanes).
 __attribute__((target("avx512f"))) void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) {
   __m512 r[16], t[16];
@@ -622,10 +666,10 @@ void pack_x_pairs(const bf16* x, int64_t rs, int64_t cs, int64_t count, int64_t 
   }
 }
 
-// First X^T's pairs, packed once per call (all of K, every row), then per task each 32 x 32 block of C^T
-// stays in its tiles from the first k to the last and is stored once. The weight's 32 rows are read in
-// place when they are rows of whole words (row stride 1, K a multiple of 32), else packed per 32 rows.
-void gemm_amx(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_t K, float* out) {
+// The C^T form, for a weight as stored (row stride 1, K a multiple of 32): first X^T's pairs, packed once
+// per call (all of K, every row), then per task each 32 x 32 block of C^T stays in its tiles from the first
+// k to the last and is stored once. The weight's 32 rows are read in place (a last partial 32 are packed).
+void gemm_amx_ct(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_t K, float* out) {
   constexpr int64_t BLOCK = 32;  // the C^T block: 32 weight rows x 32 activation rows
   const int64_t pairs = (K + 31) / 32 * 16, m_blocks = (M + BLOCK - 1) / BLOCK;
   const int64_t ldx = m_blocks * BLOCK + 16;  // off a power of two: a tile's 16 rows would share cache sets
@@ -637,8 +681,7 @@ void gemm_amx(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_
                    std::min(BLOCK, M - m0), K, pairs, ldx, xpack.data() + bi * pairs * ldx + m0);
     }
   });
-  const Plan plan(batch, M, N);
-  const bool w_in_place = bm.row == 1 && K % 32 == 0;
+  const Plan plan(batch, M, N, BLOCK);
   at::parallel_for(0, plan.tasks, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<uint32_t> wpack;
     thread_local std::vector<float> ct;
@@ -650,14 +693,14 @@ void gemm_amx(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_
       const bf16* b_base = static_cast<const bf16*>(bm.data) + bi * bm.batch;
       const uint32_t* x = xpack.data() + bi * pairs * ldx;
       float* c_base = out + bi * M * N;
-      const int64_t n0 = plan.n_block(task) * NC, nc = std::min(NC, N - n0);
+      const int64_t n0 = plan.n0(task), nc = plan.nc(task, N);
       const int64_t m_lo = plan.m_lo(task), m_hi = plan.m_hi(task, M);
       for (int64_t j = 0; j < nc; j += BLOCK) {
         const int64_t cols = std::min(BLOCK, nc - j);
         const bf16* wb = b_base + (n0 + j) * bm.col;
         const char* w = reinterpret_cast<const char*>(wb);
         int64_t row_bytes = bm.col * 2;
-        if (!w_in_place || cols < BLOCK) {
+        if (cols < BLOCK) {
           pack_a_pairs(wb, bm.col, bm.row, cols, K, BLOCK, pairs, wpack.data());
           w = reinterpret_cast<const char*>(wpack.data());
           row_bytes = pairs * 4;
@@ -678,6 +721,81 @@ void gemm_amx(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_
     }
     amx_release();
   });
+}
+
+// The C form: A's rows read in place when they hold whole 32-k tiles (k contiguous, K a multiple of 32), else
+// packed once with K rounded up to 32 by zeros; a last partial 32-row block is always such a packed copy.
+// Per task and K block (KC_AMX), B's block is packed into words once and swept by each 32-row block of A.
+void gemm_amx_c(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_t K, float* out) {
+  constexpr int64_t BLOCK = 32, KC_AMX = 512;
+  const int64_t k32 = (K + 31) / 32 * 32;
+  const bool a_in_place = a.col == 1 && K % 32 == 0;
+  const int64_t m_in_place = a_in_place ? M / BLOCK * BLOCK : 0;
+  const int64_t packed_rows = (M - m_in_place + BLOCK - 1) / BLOCK * BLOCK;
+  std::vector<bf16> apack(batch * packed_rows * k32, bf16(0.0f));
+  at::parallel_for(0, batch * (M - m_in_place), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t bi = t / (M - m_in_place), m = m_in_place + t % (M - m_in_place);
+      const bf16* row = static_cast<const bf16*>(a.data) + bi * a.batch + m * a.row;
+      bf16* dst = apack.data() + (bi * packed_rows + m - m_in_place) * k32;
+      for (int64_t k = 0; k < K; ++k) dst[k] = row[k * a.col];
+    }
+  });
+  const Plan plan(batch, M, N, BLOCK);
+  at::parallel_for(0, plan.tasks, 1, [&](int64_t begin, int64_t end) {
+    // Rows of B's block: a multiple of 32 words (the packer's step), off a power of two (cache sets).
+    constexpr int64_t ldw = NC + 32;
+    thread_local std::vector<uint32_t> wpack;
+    thread_local std::vector<float> stage;
+    wpack.resize(KC_AMX / 2 * ldw);
+    stage.resize(BLOCK * BLOCK);
+    amx_configure();  // per chunk: other code (oneDNN) may have loaded its own tile configuration
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bi = plan.batch_item(task);
+      const bf16* a_base = static_cast<const bf16*>(a.data) + bi * a.batch;
+      const bf16* a_packed = apack.data() + bi * packed_rows * k32;
+      const bf16* b_base = static_cast<const bf16*>(bm.data) + bi * bm.batch;
+      float* c_base = out + bi * M * N;
+      const int64_t n0 = plan.n0(task), nc = plan.nc(task, N);
+      const int64_t m_lo = plan.m_lo(task), m_hi = plan.m_hi(task, M);
+      for (int64_t k0 = 0; k0 < K; k0 += KC_AMX) {
+        const int64_t kc = std::min(KC_AMX, K - k0), pairs = (kc + 1) / 2, tile_pairs = (pairs + 15) / 16 * 16;
+        pack_b_words(b_base + k0 * bm.row + n0 * bm.col, bm.row, bm.col, kc, nc, pairs, ldw, wpack.data());
+        std::fill(wpack.data() + pairs * ldw, wpack.data() + tile_pairs * ldw, 0u);
+        for (int64_t m0 = m_lo; m0 < m_hi; m0 += BLOCK) {
+          const int64_t rows = std::min(BLOCK, M - m0);
+          const bool in_place = m0 + BLOCK <= m_in_place;
+          const bf16* x = in_place ? a_base + m0 * a.row + k0 : a_packed + (m0 - m_in_place) * k32 + k0;
+          const int64_t lda = in_place ? a.row : k32;
+          for (int64_t j = 0; j < nc; j += BLOCK) {
+            const int64_t cols = std::min(BLOCK, nc - j);
+            float* c = c_base + m0 * N + n0 + j;
+            if (rows == BLOCK && cols == BLOCK) {
+              micro_amx_c(tile_pairs, x, lda, wpack.data() + j, ldw, c, N, k0 == 0);
+              continue;
+            }
+            // A partial block runs on a staging block; its padding rows and columns are not kept.
+            if (k0 > 0)
+              for (int64_t r = 0; r < rows; ++r) std::copy(c + r * N, c + r * N + cols, stage.data() + r * BLOCK);
+            micro_amx_c(tile_pairs, x, lda, wpack.data() + j, ldw, stage.data(), BLOCK, k0 == 0);
+            for (int64_t r = 0; r < rows; ++r) std::copy(stage.data() + r * BLOCK, stage.data() + r * BLOCK + cols, c + r * N);
+          }
+        }
+      }
+    }
+    amx_release();
+  });
+}
+
+// The weight in place pays while few rows meet many of its rows (a decode step, a vocabulary projection);
+// past that, packing B once per K block for all of a task's row blocks does. Measured (2 threads, Sapphire
+// Rapids), C^T vs C in GFLOP/s: M 64 K 2048 N 6144 1331 vs 793, M 256 K 512 N 16384 1614 vs 1354, M 512 K 2048
+// N 6144 1172 vs 1275, M 1024 K 512 N 512 749 vs 1069. A choice of speed: the two forms give the same bits.
+bool amx_ct_pays(int64_t M, int64_t N) { return M <= 32 || N >= 16 * M; }
+
+void gemm_amx(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_t K, float* out) {
+  if (bm.row == 1 && K % 32 == 0 && amx_ct_pays(M, N)) gemm_amx_ct(a, bm, batch, M, N, K, out);
+  else gemm_amx_c(a, bm, batch, M, N, K, out);
 }
 
 template <typename TA>
@@ -720,21 +838,32 @@ bool cpu_has(Tier tier) {
   return false;
 }
 
-bool tier_runs(int64_t tier) { return tier >= PORTABLE && tier <= AMX_BF16 && cpu_has(static_cast<Tier>(tier)); }
+// Asked once per process: CPUID traps to the hypervisor in a VM (measured 20 us a call, more than a decode
+// step's expert GEMM).
+bool tier_runs(int64_t tier) {
+  static const auto runs = [] {
+    std::array<bool, AMX_BF16 + 1> r{};
+    for (int t = PORTABLE; t <= AMX_BF16; ++t) r[t] = cpu_has(static_cast<Tier>(t));
+    return r;
+  }();
+  return tier >= PORTABLE && tier <= AMX_BF16 && runs[tier];
+}
 
-// a [batch, M, K], b [batch, K, N], any strides -> fp32 [batch, M, N].
+// a [batch, M, K], b [batch, K, N], any strides -> fp32 [batch, M, N]; or 2-d, one batch item.
 at::Tensor mm(const at::Tensor& a, const at::Tensor& b, int64_t tier) {
-  TORCH_CHECK(a.dim() == 3 && b.dim() == 3, "logdiff mm: 3-d operands expected");
-  TORCH_CHECK(a.size(0) == b.size(0) && a.size(2) == b.size(1), "logdiff mm: shapes ", a.sizes(), " and ", b.sizes(),
-              " do not multiply");
+  TORCH_CHECK(a.dim() == b.dim() && (a.dim() == 2 || a.dim() == 3), "logdiff mm: two 2-d or two 3-d operands expected");
+  const bool batched = a.dim() == 3;
+  TORCH_CHECK((!batched || a.size(0) == b.size(0)) && a.size(-1) == b.size(-2), "logdiff mm: shapes ", a.sizes(),
+              " and ", b.sizes(), " do not multiply");
   TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu(), "logdiff mm: CPU tensors expected");
   TORCH_CHECK(tier_runs(tier), "logdiff mm: tier ", tier, " does not run on this CPU");
-  const int64_t batch = a.size(0), M = a.size(1), K = a.size(2), N = b.size(2);
-  at::Tensor out = at::empty({batch, M, N}, a.options().dtype(at::kFloat));
+  const int64_t batch = batched ? a.size(0) : 1, M = a.size(-2), K = a.size(-1), N = b.size(-1);
+  at::Tensor out = batched ? at::empty({batch, M, N}, a.options().dtype(at::kFloat))
+                           : at::empty({M, N}, a.options().dtype(at::kFloat));
   if (out.numel() == 0) return out;
   if (K == 0) return out.zero_();
-  Strided sa{a.data_ptr(), a.stride(0), a.stride(1), a.stride(2)};
-  Strided sb{b.data_ptr(), b.stride(0), b.stride(1), b.stride(2)};
+  Strided sa{a.data_ptr(), batched ? a.stride(0) : 0, a.stride(-2), a.stride(-1)};
+  Strided sb{b.data_ptr(), batched ? b.stride(0) : 0, b.stride(-2), b.stride(-1)};
   float* o = out.data_ptr<float>();
   const Tier t = static_cast<Tier>(tier);
   if (t == AVX512_BF16 || t == AMX_BF16) {
