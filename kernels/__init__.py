@@ -6,6 +6,7 @@ from functools import partial
 
 from logdiff.kernels.activation import silu_mul
 from logdiff.kernels.attention import Alignments, rollout_attention, train_attention
+from logdiff.kernels.gemm import grouped_linear
 from logdiff.kernels.linear import fixed_order_row_linear, linear, row_tiled_linear, weight_layout
 from logdiff.kernels.logsoftmax import fixed_order_token_logprobs, token_logprobs
 from logdiff.kernels.moe import combine, grouped_experts, route
@@ -31,7 +32,7 @@ def reference_kernels(align: Alignments = Alignments(), name: str = "reference")
         train_attention=partial(train_attention, align=align),
         rollout_attention=partial(rollout_attention, align=align),
         route=route,
-        experts=partial(grouped_experts, linear=gemm, act=silu_mul),
+        experts=partial(grouped_experts, linear=gemm, act=silu_mul, grouped_linear=grouped_linear if align.order else None),
         combine=combine,
         # The fixed vocabulary order is a change of the one-process sum too, so it is the reduce_order switch.
         token_logprobs=fixed_order_token_logprobs if align.reduce_order else token_logprobs,

@@ -161,6 +161,44 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = torch.floa
     return mm(a, b).to(out_dtype)
 
 
+def _grouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return _ops().grouped_mm(a, b, offsets, TIERS.index(tier_for(a.dtype, b.dtype)), out_dtype)
+
+
+def _grouped_tn(x: torch.Tensor, y: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return _ops().grouped_mm_tn(x, y, offsets, TIERS.index(tier_for(x.dtype, y.dtype)), out_dtype)
+
+
+class _GroupedMatMul(torch.autograd.Function):
+    """Rows offsets[e]:offsets[e + 1] of a [T, K] times b[e] [K, N], rounded once to out_dtype: per group the
+    very GEMM `mm` runs, in one call (no loop over groups in Python, no concatenation, each group rounded
+    while its fp32 block is in cache). Backward on the same GEMM: da = the grouped g @ b[e].T, db[e] = a_e.T @
+    g_e reduced over the group's rows in ascending order, computed in b's own layout so that the gradient of
+    a weight as stored needs no transposing copy."""
+
+    @staticmethod
+    def forward(ctx, a, b, offsets, out_dtype):
+        ctx.save_for_backward(a, b, offsets)
+        return _grouped(a, b, offsets, out_dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b, offsets = ctx.saved_tensors
+        da = _grouped(g, b.mT, offsets, a.dtype) if ctx.needs_input_grad[0] else None
+        db = None
+        if ctx.needs_input_grad[1]:
+            db = _grouped_tn(g, a, offsets, b.dtype).mT if b.stride(-2) == 1 else _grouped_tn(a, g, offsets, b.dtype)
+        return da, db, None, None
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x [T, in], its rows in groups (offsets [E + 1], int64), group e times w[e] [out, in].T -> [T, out] in
+    x's dtype; each row's bits are `linear`'s on its group's weight. Differentiable."""
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return _GroupedMatMul.apply(x, w.mT, offsets, x.dtype)
+    return _grouped(x, w.mT, offsets, x.dtype)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [.., N, in] @ w [.., out, in].T, one fixed reduction order, differentiable; rounded once to
     `out_dtype` (default x's)."""

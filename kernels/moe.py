@@ -6,8 +6,9 @@ Combine: a token's k expert outputs are summed in routing-rank order, in fp32: k
 no reduction torch could split or reorder. The experts' GEMMs are the kernel set's `linear`.
 
 `grouped_experts` is the reference's expert layer: the (token, expert) pairs are laid out once in one
-buffer, expert after expert; then one GEMM per active expert, or one batched GEMM over all experts when
-nearly all have rows (decode), and one activation over the whole buffer. With the reference's GEMM a
+buffer, expert after expert; then one grouped GEMM call over the active experts (the reference's
+`grouped_linear`) or one GEMM per active expert, or one batched GEMM over all experts when nearly all have
+rows (decode), and one activation over the whole buffer. With the reference's GEMM a
 row's bits do not depend on how many rows its expert received (nor on the batched or per-expert form),
 so nothing is padded; with torch's GEMM (baseline) they follow the expert's row count. `run_experts` is
 the plain loop over experts, with every op per expert, that a straightforward implementation writes (naive's).
@@ -60,8 +61,10 @@ def run_experts(x, ids, gate_up, down, linear=fixed_linear, act=silu_mul):
     return out.view(num_tokens, top_k, -1)
 
 
-def grouped_experts(x, ids, gate_up, down, linear=fixed_linear, act=silu_mul):
-    """`run_experts` with one buffer for all experts and `linear` (the kernel set's) for every GEMM."""
+def grouped_experts(x, ids, gate_up, down, linear=fixed_linear, act=silu_mul, grouped_linear=None):
+    """`run_experts` with one buffer for all experts and `linear` (the kernel set's) for every GEMM;
+    `grouped_linear` runs all experts' GEMMs in one call where the kernel set has one (default: one
+    `linear` per expert)."""
     num_tokens, top_k = ids.shape
     num_experts = gate_up.shape[0]
     flat = ids.flatten()
@@ -70,7 +73,8 @@ def grouped_experts(x, ids, gate_up, down, linear=fixed_linear, act=silu_mul):
     sizes = counts.tolist()
     capacity = max(sizes)
     # Dense (decode: nearly every expert gets a few rows): one batched GEMM over all experts, each
-    # padded to the largest; otherwise one GEMM per active expert. Only a matter of speed.
+    # padded to the largest; otherwise each expert's rows as they are, in one grouped call or one GEMM
+    # per active expert. Only a matter of speed.
     batched = num_experts * capacity <= BATCHED_WASTE * num_tokens * top_k
     starts = torch.arange(num_experts) * capacity if batched else torch.cumsum(counts, 0) - counts
     expert_of = flat[order]
@@ -85,16 +89,24 @@ def grouped_experts(x, ids, gate_up, down, linear=fixed_linear, act=silu_mul):
         gate, up = linear(buffer.view(num_experts, capacity, -1), gate_up).view(total, -1).chunk(2, dim=-1)
         out = linear(act(gate, up).view(num_experts, capacity, -1), down).view(total, -1)
     else:
-        active = [e for e, n in enumerate(sizes) if n]
-        active_sizes = [sizes[e] for e in active]
-        gate_up, down = _per_expert(gate_up), _per_expert(down)
-        # split(), not slicing: a slice's backward zero-fills a gradient of the whole buffer, once per expert.
-        pieces = buffer.split(active_sizes)
-        gate, up = torch.cat([linear(piece, gate_up[e]) for e, piece in zip(active, pieces)]).chunk(2, dim=-1)
-        pieces = act(gate, up).split(active_sizes)
-        out = torch.cat([linear(piece, down[e]) for e, piece in zip(active, pieces)])
+        if grouped_linear is None:
+            gate, up = _loop_linear(linear, buffer, gate_up, sizes).chunk(2, dim=-1)
+            out = _loop_linear(linear, act(gate, up), down, sizes)
+        else:
+            offsets = F.pad(torch.cumsum(counts, 0), (1, 0))
+            gate, up = grouped_linear(buffer, gate_up, offsets).chunk(2, dim=-1)
+            out = grouped_linear(act(gate, up), down, offsets)
     row_of_pair = torch.empty_like(dest).index_put_((order,), dest)  # pairs back in (token, rank) order
     return F.embedding(row_of_pair, out).view(num_tokens, top_k, -1)
+
+
+def _loop_linear(linear, rows: torch.Tensor, weights: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """One `linear` per expert with rows, outputs concatenated in expert order."""
+    active = [e for e, n in enumerate(sizes) if n]
+    weights = _per_expert(weights)
+    # split(), not slicing: a slice's backward zero-fills a gradient of the whole buffer, once per expert.
+    pieces = rows.split([sizes[e] for e in active])
+    return torch.cat([linear(piece, weights[e]) for e, piece in zip(active, pieces)])
 
 
 def _per_expert(weights: torch.Tensor) -> tuple[torch.Tensor, ...]:

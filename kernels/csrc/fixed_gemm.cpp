@@ -349,6 +349,18 @@ void pack_a_pairs(const bf16* a, int64_t rs, int64_t cs, int64_t mc, int64_t kc,
   }
 }
 
+// dst[m][k] (rows ld apart) = a[m][k] (row stride rs, k stride cs), m < rows, k < K; the loop runs along a's
+// contiguous dimension (a transposed activation, as a weight gradient reads it, has its m contiguous).
+void copy_rows(const bf16* a, int64_t rs, int64_t cs, int64_t rows, int64_t K, bf16* dst, int64_t ld) {
+  if (rs < cs) {
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t m = 0; m < rows; ++m) dst[m * ld + k] = a[m * rs + k * cs];
+  } else {
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t k = 0; k < K; ++k) dst[m * ld + k] = a[m * rs + k * cs];
+  }
+}
+
 // AVX512-BF16. A is read as words [m][pair] of bf16 rows (lda bf16 apart): in place when its k are
 // contiguous and K is even, else packed once per call with K padded to even. B is read in one of two ways,
 // both giving the micro-kernel words (b[2p][n], b[2p+1][n]) for 16 n per vector:
@@ -486,15 +498,11 @@ void gemm_dpbf16(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int
   // A in place, or packed once: rows of K rounded up to even, the pad a zero the pair's partner multiplies.
   const bool a_in_place = a.col == 1 && K % 2 == 0;
   const int64_t lda = a_in_place ? a.row : K + K % 2, a_batch = a_in_place ? a.batch : M * lda;
-  std::vector<bf16> apack(a_in_place ? 0 : batch * M * lda);
+  std::vector<bf16> apack(a_in_place ? 0 : batch * M * lda, bf16(0.0f));
   if (!a_in_place) {
-    at::parallel_for(0, batch * M, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const bf16* row = static_cast<const bf16*>(a.data) + (t / M) * a.batch + (t % M) * a.row;
-        bf16* dst = apack.data() + t * lda;
-        for (int64_t k = 0; k < K; ++k) dst[k] = row[k * a.col];
-        if (K % 2) dst[K] = bf16(0.0f);
-      }
+    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t bi = begin; bi < end; ++bi)
+        copy_rows(static_cast<const bf16*>(a.data) + bi * a.batch, a.row, a.col, M, K, apack.data() + bi * M * lda, lda);
     });
   }
   const bf16* a_data = a_in_place ? static_cast<const bf16*>(a.data) : apack.data();
@@ -733,13 +741,10 @@ void gemm_amx_c(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int6
   const int64_t m_in_place = a_in_place ? M / BLOCK * BLOCK : 0;
   const int64_t packed_rows = (M - m_in_place + BLOCK - 1) / BLOCK * BLOCK;
   std::vector<bf16> apack(batch * packed_rows * k32, bf16(0.0f));
-  at::parallel_for(0, batch * (M - m_in_place), 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t bi = t / (M - m_in_place), m = m_in_place + t % (M - m_in_place);
-      const bf16* row = static_cast<const bf16*>(a.data) + bi * a.batch + m * a.row;
-      bf16* dst = apack.data() + (bi * packed_rows + m - m_in_place) * k32;
-      for (int64_t k = 0; k < K; ++k) dst[k] = row[k * a.col];
-    }
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bi = begin; bi < end; ++bi)
+      copy_rows(static_cast<const bf16*>(a.data) + bi * a.batch + m_in_place * a.row, a.row, a.col, M - m_in_place, K,
+                apack.data() + bi * packed_rows * k32, k32);
   });
   const Plan plan(batch, M, N, BLOCK);
   at::parallel_for(0, plan.tasks, 1, [&](int64_t begin, int64_t end) {
@@ -849,6 +854,23 @@ bool tier_runs(int64_t tier) {
   return tier >= PORTABLE && tier <= AMX_BF16 && runs[tier];
 }
 
+// out (fp32 [batch, M, N], contiguous) = a @ b on tier t.
+void run(Tier t, Strided sa, at::ScalarType ta, Strided sb, at::ScalarType tb, int64_t batch, int64_t M, int64_t N,
+         int64_t K, float* o) {
+  if (t == AVX512_BF16 || t == AMX_BF16) {
+    TORCH_CHECK(ta == at::kBFloat16 && tb == at::kBFloat16, "logdiff mm: the bf16 tiers take bfloat16 operands only");
+    if (t == AMX_BF16) gemm_amx(sa, sb, batch, M, N, K, o);
+    else gemm_dpbf16(sa, sb, batch, M, N, K, o);
+    return;
+  }
+  switch (ta) {
+    case at::kFloat: return gemm_b<float>(t, sa, sb, tb, batch, M, N, K, o);
+    case at::kBFloat16: return gemm_b<c10::BFloat16>(t, sa, sb, tb, batch, M, N, K, o);
+    case at::kHalf: return gemm_b<c10::Half>(t, sa, sb, tb, batch, M, N, K, o);
+    default: TORCH_CHECK(false, "logdiff mm: A must be float32, bfloat16 or float16, got ", ta);
+  }
+}
+
 // a [batch, M, K], b [batch, K, N], any strides -> fp32 [batch, M, N]; or 2-d, one batch item.
 at::Tensor mm(const at::Tensor& a, const at::Tensor& b, int64_t tier) {
   TORCH_CHECK(a.dim() == b.dim() && (a.dim() == 2 || a.dim() == 3), "logdiff mm: two 2-d or two 3-d operands expected");
@@ -864,20 +886,75 @@ at::Tensor mm(const at::Tensor& a, const at::Tensor& b, int64_t tier) {
   if (K == 0) return out.zero_();
   Strided sa{a.data_ptr(), batched ? a.stride(0) : 0, a.stride(-2), a.stride(-1)};
   Strided sb{b.data_ptr(), batched ? b.stride(0) : 0, b.stride(-2), b.stride(-1)};
-  float* o = out.data_ptr<float>();
-  const Tier t = static_cast<Tier>(tier);
-  if (t == AVX512_BF16 || t == AMX_BF16) {
-    TORCH_CHECK(a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16,
-                "logdiff mm: the bf16 tiers take bfloat16 operands only");
-    if (t == AMX_BF16) gemm_amx(sa, sb, batch, M, N, K, o);
-    else gemm_dpbf16(sa, sb, batch, M, N, K, o);
-    return out;
+  run(static_cast<Tier>(tier), sa, a.scalar_type(), sb, b.scalar_type(), batch, M, N, K, out.data_ptr<float>());
+  return out;
+}
+
+// Row ranges of a grouped operand: offsets [E + 1], int64, from 0 up to `rows`.
+std::vector<int64_t> group_offsets(const at::Tensor& offsets, int64_t rows) {
+  TORCH_CHECK(offsets.dim() == 1 && offsets.scalar_type() == at::kLong && offsets.device().is_cpu(),
+              "logdiff grouped mm: offsets must be a 1-d int64 CPU tensor");
+  const at::Tensor o = offsets.contiguous();
+  std::vector<int64_t> v(o.data_ptr<int64_t>(), o.data_ptr<int64_t>() + o.numel());
+  TORCH_CHECK(!v.empty() && v.front() == 0 && v.back() == rows, "logdiff grouped mm: offsets must run from 0 to ", rows);
+  for (size_t e = 1; e < v.size(); ++e) TORCH_CHECK(v[e - 1] <= v[e], "logdiff grouped mm: offsets must not decrease");
+  return v;
+}
+
+const void* row_at(const at::Tensor& t, int64_t row) {
+  return static_cast<const char*>(t.data_ptr()) + row * t.stride(0) * t.element_size();
+}
+
+// out[rows of group e] = a[rows of group e] @ b[e]: a [T, K], b [E, K, N] -> [T, N] in out_dtype. Per group
+// the very GEMM `mm` runs, into an fp32 block that is then rounded once (torch's copy_, as `.to` rounds), so a
+// row's bits are those of `mm` on its group's weight rounded by `.to`.
+at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets, int64_t tier,
+                      at::ScalarType out_dtype) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 3 && a.size(1) == b.size(1), "logdiff grouped mm: a [T, K] and b [E, K, N] "
+              "expected, got ", a.sizes(), " and ", b.sizes());
+  TORCH_CHECK(tier_runs(tier), "logdiff mm: tier ", tier, " does not run on this CPU");
+  const std::vector<int64_t> off = group_offsets(offsets, a.size(0));
+  TORCH_CHECK(static_cast<int64_t>(off.size()) == b.size(0) + 1, "logdiff grouped mm: ", b.size(0), " groups need ",
+              b.size(0) + 1, " offsets");
+  const int64_t K = a.size(1), N = b.size(2);
+  at::Tensor out = at::empty({a.size(0), N}, a.options().dtype(out_dtype));
+  int64_t most = 0;
+  for (size_t e = 1; e < off.size(); ++e) most = std::max(most, off[e] - off[e - 1]);
+  at::Tensor block = at::empty({most, N}, a.options().dtype(at::kFloat));
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(off.size()); ++e) {
+    const int64_t M = off[e + 1] - off[e];
+    if (M == 0 || N == 0) continue;
+    at::Tensor c = block.narrow(0, 0, M);
+    if (K == 0) c.zero_();
+    else run(static_cast<Tier>(tier), {row_at(a, off[e]), 0, a.stride(0), a.stride(1)}, a.scalar_type(),
+             {row_at(b, e), 0, b.stride(1), b.stride(2)}, b.scalar_type(), 1, M, N, K, c.data_ptr<float>());
+    out.narrow(0, off[e], M).copy_(c);
   }
-  switch (a.scalar_type()) {
-    case at::kFloat: gemm_b<float>(t, sa, sb, b.scalar_type(), batch, M, N, K, o); break;
-    case at::kBFloat16: gemm_b<c10::BFloat16>(t, sa, sb, b.scalar_type(), batch, M, N, K, o); break;
-    case at::kHalf: gemm_b<c10::Half>(t, sa, sb, b.scalar_type(), batch, M, N, K, o); break;
-    default: TORCH_CHECK(false, "logdiff mm: A must be float32, bfloat16 or float16, got ", a.scalar_type());
+  return out;
+}
+
+// out[e] = x[rows of group e]^T @ y[rows of group e]: x [T, P], y [T, Q] -> [E, P, Q] in out_dtype, each reduced
+// over its group's rows in ascending order and rounded once as `grouped_mm` rounds (a weight gradient of
+// `grouped_mm`; zero for a group with no rows).
+at::Tensor grouped_mm_tn(const at::Tensor& x, const at::Tensor& y, const at::Tensor& offsets, int64_t tier,
+                         at::ScalarType out_dtype) {
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0), "logdiff grouped mm: x [T, P] and y [T, Q] "
+              "expected, got ", x.sizes(), " and ", y.sizes());
+  TORCH_CHECK(tier_runs(tier), "logdiff mm: tier ", tier, " does not run on this CPU");
+  const std::vector<int64_t> off = group_offsets(offsets, x.size(0));
+  const int64_t groups = static_cast<int64_t>(off.size()) - 1, P = x.size(1), Q = y.size(1);
+  at::Tensor out = at::empty({groups, P, Q}, x.options().dtype(out_dtype));
+  at::Tensor block = at::empty({P, Q}, x.options().dtype(at::kFloat));
+  for (int64_t e = 0; e < groups; ++e) {
+    const int64_t rows = off[e + 1] - off[e];
+    if (rows == 0 || P == 0 || Q == 0) {
+      out[e].zero_();
+      continue;
+    }
+    // x's rows of the group, transposed
+    run(static_cast<Tier>(tier), {row_at(x, off[e]), 0, x.stride(1), x.stride(0)}, x.scalar_type(),
+        {row_at(y, off[e]), 0, y.stride(0), y.stride(1)}, y.scalar_type(), 1, P, Q, rows, block.data_ptr<float>());
+    out[e].copy_(block);
   }
   return out;
 }
@@ -886,5 +963,7 @@ at::Tensor mm(const at::Tensor& a, const at::Tensor& b, int64_t tier) {
 
 TORCH_LIBRARY(logdiff, m) {
   m.def("mm(Tensor a, Tensor b, int tier) -> Tensor", &mm);
+  m.def("grouped_mm(Tensor a, Tensor b, Tensor offsets, int tier, ScalarType out_dtype) -> Tensor", &grouped_mm);
+  m.def("grouped_mm_tn(Tensor x, Tensor y, Tensor offsets, int tier, ScalarType out_dtype) -> Tensor", &grouped_mm_tn);
   m.def("tier_runs(int tier) -> bool", &tier_runs);
 }

@@ -36,11 +36,13 @@ class Target:
         return f"{self.case}: {self.numerator} / {self.denominator} >= {self.at_least:g}"
 
 
-# Targets (qwen3-moe-small, bf16): consistency at no cost against every peer on every case, and decode close
-# to the machine's limit. Reported beside the ratios, never asserted.
+# Targets (issue 19; qwen3-moe-small bf16 and a real-dimension config): consistency at no cost against every
+# peer on every case (vLLM's CPU engine on the rollout cases it runs), and decode close to the machine's
+# limit. Reported beside the ratios, never asserted.
 TARGETS = (
-    *(Target(case, "reference", "baseline", 0.95) for case in CASES),
+    *(Target(case, "reference", "baseline", 1.0) for case in CASES),
     *(Target(case, "reference", "hf", 1.0) for case in CASES),
+    *(Target(case, "reference", "vllm", 1.0) for case in CASES if case == "prefill" or case.startswith("decode")),
     Target("decode-b1", "reference", "bound", 0.5),
 )
 
