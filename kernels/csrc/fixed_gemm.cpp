@@ -916,19 +916,31 @@ at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor
   const std::vector<int64_t> off = group_offsets(offsets, a.size(0));
   TORCH_CHECK(static_cast<int64_t>(off.size()) == b.size(0) + 1, "logdiff grouped mm: ", b.size(0), " groups need ",
               b.size(0) + 1, " offsets");
-  const int64_t K = a.size(1), N = b.size(2);
+  const int64_t K = a.size(1), N = b.size(2), groups = b.size(0);
   at::Tensor out = at::empty({a.size(0), N}, a.options().dtype(out_dtype));
   int64_t most = 0;
-  for (size_t e = 1; e < off.size(); ++e) most = std::max(most, off[e] - off[e - 1]);
-  at::Tensor block = at::empty({most, N}, a.options().dtype(at::kFloat));
-  for (int64_t e = 0; e + 1 < static_cast<int64_t>(off.size()); ++e) {
+  for (int64_t e = 0; e < groups; ++e) most = std::max(most, off[e + 1] - off[e]);
+  auto group = [&](int64_t e, at::Tensor& block) {
     const int64_t M = off[e + 1] - off[e];
-    if (M == 0 || N == 0) continue;
+    if (M == 0 || N == 0) return;
     at::Tensor c = block.narrow(0, 0, M);
     if (K == 0) c.zero_();
     else run(static_cast<Tier>(tier), {row_at(a, off[e]), 0, a.stride(0), a.stride(1)}, a.scalar_type(),
              {row_at(b, e), 0, b.stride(1), b.stride(2)}, b.scalar_type(), 1, M, N, K, c.data_ptr<float>());
     out.narrow(0, off[e], M).copy_(c);
+  };
+  // Many groups, none with more than a thread's share of the rows: a thread takes whole groups (each GEMM
+  // then runs on its thread alone), else the groups go one after the other on every thread. Which thread
+  // computes a group never changes a bit.
+  const int64_t threads = at::get_num_threads();
+  if (groups >= 4 * threads && most * threads <= a.size(0)) {
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      at::Tensor block = at::empty({most, N}, a.options().dtype(at::kFloat));
+      for (int64_t e = begin; e < end; ++e) group(e, block);
+    });
+  } else {
+    at::Tensor block = at::empty({most, N}, a.options().dtype(at::kFloat));
+    for (int64_t e = 0; e < groups; ++e) group(e, block);
   }
   return out;
 }
