@@ -2,10 +2,13 @@
 
 import json
 import re
+import time
 
 import pytest
+import torch
 
-from logdiff.bench.cases import token_agreement
+from logdiff.api import RolloutOutput, Unsupported
+from logdiff.bench.cases import CASES, measure, token_agreement
 from logdiff.bench.stats import claim_reading, paired_ratio, spread
 from logdiff.cli.main import main
 
@@ -104,6 +107,25 @@ def test_token_agreement_catches_less_work_and_other_ids():
     assert token_agreement(ref, [[1, 2, 3], [4, 5]])["same_counts"] is False
     other = token_agreement(ref, [[1, 2, 3], [4, 9, 6]])
     assert other["same_counts"] and other["equal_ids"] == 5 and other["first_difference"] == {"request": 1, "index": 1}
+
+
+class UnevenPrefill:
+    """A stack whose prefill takes 0.2 s, then 0.01 s, around a 0.03 s rollout: the 0.02 s left for the decode
+    sits inside the prefill's noise."""
+
+    def __init__(self):
+        self.prefills = iter([0.2, 0.01])
+
+    def rollout(self, requests):
+        steps = requests[0].max_new_tokens
+        time.sleep(next(self.prefills) if steps == 1 else 0.03)
+        return [RolloutOutput([0] * r.max_new_tokens, torch.zeros(r.max_new_tokens)) for r in requests]
+
+
+def test_a_decode_inside_the_prefills_noise_is_not_reported_as_a_figure():
+    case = CASES["decode-b1"]
+    with pytest.raises(Unsupported, match="decode time not resolved"):
+        measure(UnevenPrefill(), case, case.workload("qwen3-moe-tiny", "fp32"))
 
 
 def test_bench_times_sharded_stacks(tmp_path, capsys):

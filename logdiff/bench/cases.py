@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from logdiff.api import Request, Stack, TrainerInputs
+from logdiff.api import Request, Stack, TrainerInputs, Unsupported
 from logdiff.workload import Workload
 
 
@@ -98,10 +98,15 @@ def measure(stack: Stack, case: Case, workload: Workload) -> Measurement:
     if case.kind == "decode":
         # The prefill is timed before and after the full rollout and the faster taken: one slow prefill
         # (another job, a page fault) would otherwise be subtracted whole and could leave a negative time.
-        prefill, _ = _time_rollout(stack, _with_new_tokens(requests, 1))
+        before, _ = _time_rollout(stack, _with_new_tokens(requests, 1))
         full, outputs = _time_rollout(stack, requests)
-        prefill = min(prefill, _time_rollout(stack, _with_new_tokens(requests, 1))[0])
-        return Measurement(full - prefill, case.counted_tokens, outputs)
+        after, _ = _time_rollout(stack, _with_new_tokens(requests, 1))
+        decode = full - min(before, after)
+        if abs(before - after) > decode:
+            raise Unsupported(f"decode time not resolved: the prefill took {before:.3g} s and {after:.3g} s, a spread "
+                              f"larger than the {decode:.3g} s left for the decode (a prefill this slow and uneven "
+                              "leaves the decode inside its noise)")
+        return Measurement(decode, case.counted_tokens, outputs)
     start = time.perf_counter()
     rollout = stack.rollout(requests)
     scored = TrainerInputs.after(requests, rollout)
