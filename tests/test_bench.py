@@ -76,7 +76,7 @@ def test_bench_profile_writes_each_stacks_ops(tmp_path):
         assert f"stack {stack}" in text and gemm_op[stack] in text and "Input Shapes" in text
         assert data["profiles"]["decode-b1"][stack].endswith(f"profile-decode-b1-{stack}.txt")
     # the reference's one-row decode GEMMs run on their one row: nothing is padded
-    one_row = r"logdiff::mm .*\[\[1, 1, 64\], \[1, 64, \d+\], \[\]\]"
+    one_row = r"logdiff::mm .*\[\[1, 64\], \[64, \d+\], \[\]\]"
     assert re.search(one_row, (tmp_path / "profile-decode-b1-reference.txt").read_text())
 
 
