@@ -123,15 +123,17 @@ def weight_layout(w: torch.Tensor) -> torch.Tensor:
     return w if tier_for(w.dtype, w.dtype) == "amx-bf16" else w.mT.contiguous().mT
 
 
-def mm(a: torch.Tensor, b: torch.Tensor, tier_name: str | None = None) -> torch.Tensor:
-    """a [..., M, K] @ b [..., K, N] (same leading dims, any strides, fp32/bf16/fp16) -> fp32 [..., M, N], on
+def mm(a: torch.Tensor, b: torch.Tensor, tier_name: str | None = None,
+       out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """a [..., M, K] @ b [..., K, N] (same leading dims, any strides, fp32/bf16/fp16) -> [..., M, N] in `out_dtype`
+    (fp32, or rounded once from it to nearest even, as `.to` rounds, by the thread that computed the block), on
     `tier_name` (default: this process's tier for the operands' dtypes)."""
     tier = TIERS.index(tier_name or tier_for(a.dtype, b.dtype))
     if a.dim() == b.dim() <= 3:  # what the op takes as it is: a decode step makes hundreds of small calls
-        return _ops().mm(a, b, tier)
+        return _ops().mm(a, b, tier, out_dtype)
     lead = a.shape[:-2]
     batch = lead.numel()
-    out = _ops().mm(a.reshape(batch, *a.shape[-2:]), b.reshape(batch, *b.shape[-2:]), tier)
+    out = _ops().mm(a.reshape(batch, *a.shape[-2:]), b.reshape(batch, *b.shape[-2:]), tier, out_dtype)
     return out.view(*lead, *out.shape[-2:])
 
 
@@ -144,13 +146,13 @@ class _MatMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, out_dtype):
         ctx.save_for_backward(a, b)
-        return mm(a, b).to(out_dtype)
+        return mm(a, b, out_dtype=out_dtype)
 
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved_tensors
-        da = mm(g, b.mT).to(a.dtype) if ctx.needs_input_grad[0] else None
-        db = mm(a.mT, g).to(b.dtype) if ctx.needs_input_grad[1] else None
+        da = mm(g, b.mT, out_dtype=a.dtype) if ctx.needs_input_grad[0] else None
+        db = mm(a.mT, g, out_dtype=b.dtype) if ctx.needs_input_grad[1] else None
         return da, db, None
 
 
@@ -158,7 +160,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = torch.floa
     """`mm`, differentiable, rounded once to `out_dtype`: [..., M, N]."""
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         return _MatMul.apply(a, b, out_dtype)
-    return mm(a, b).to(out_dtype)
+    return mm(a, b, out_dtype=out_dtype)
 
 
 def _grouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

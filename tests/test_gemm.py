@@ -122,7 +122,7 @@ def test_it_is_the_fp32_gemm_of_the_stored_values(tier, dtype, k_major, m, k, n)
     assert (out.double() - exact).abs().max() < 1e-3
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 2048, 200), (5, 512, 64), (13, 768, 130), (200, 96, 300), (7, 33, 65)])
+@pytest.mark.parametrize("m,k,n", [(1, 2048, 200), (5, 512, 64), (13, 768, 130), (200, 96, 300), (7, 33, 65), (70, 200, 40)])
 @pytest.mark.parametrize("tier,dtype", [(t, d) for t in gemm.tiers_here() for d in dtypes_of(t)])
 def test_the_operands_layout_changes_no_bit(tier, dtype, m, k, n):
     """x as rows or as the transpose of [K, M]; w as stored or K-major: a tier reads each in place or packs it
@@ -136,6 +136,26 @@ def test_the_operands_layout_changes_no_bit(tier, dtype, m, k, n):
     first = outs["rows", "stored"]
     for layout, out in outs.items():
         assert torch.equal(bits(out), bits(first)), f"{tier} {layout} vs rows/stored: {first_difference(out, first)}"
+
+
+@pytest.mark.parametrize("tier,dtype", [(t, d) for t in gemm.tiers_here() for d in dtypes_of(t) if d != torch.float32])
+def test_a_rounded_result_is_the_fp32_result_rounded_as_to_rounds(tier, dtype):
+    """A bf16 or fp16 result is rounded by the thread that computed its block: bit for bit what `.to` makes of
+    the fp32 result, for ties (to even), overflow to infinity, NaN, and a row tail shorter than a vector."""
+    gen = torch.Generator().manual_seed(5)
+    tiny = torch.finfo(dtype).eps / 2  # 1 + tiny is a tie between 1 and 1 + eps
+    pairs = [(1.0, tiny), (1.0 + 2 * tiny, tiny), (torch.finfo(dtype).max, torch.finfo(dtype).max),
+             (float("inf"), float("-inf")), (-1.0, -tiny)]
+    x = torch.randn(70, 64, generator=gen)
+    x[:len(pairs), :2] = torch.tensor(pairs)
+    x[:len(pairs), 2:] = 0
+    w = torch.randn(37, 64, generator=gen)
+    w[0, :2] = 1
+    x, w = x.to(dtype), w.to(dtype)
+    for b in (w.mT, w.mT.contiguous()):
+        rounded, exact = gemm.mm(x, b, tier, out_dtype=dtype), gemm.mm(x, b, tier)
+        assert rounded.dtype == dtype
+        assert torch.equal(rounded.view(torch.int16), exact.to(dtype).view(torch.int16)), tier
 
 
 def test_batched_operands_with_any_strides():

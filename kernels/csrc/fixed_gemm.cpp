@@ -17,7 +17,8 @@
 // sequence fixed by K alone: rows, columns and K padding are zeros the hardware multiplies and the
 // element never sees from its neighbours.
 //
-// The result is fp32; the caller rounds it once to the output dtype.
+// The result is fp32, or rounded once (to nearest even) to bf16 or fp16 by the task that computed it, while
+// its block is still in cache.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -53,6 +54,53 @@ inline float widen(c10::Half x) { return static_cast<float>(x); }
 struct Strided {
   const void* data;
   int64_t batch, row, col;
+};
+
+// A bf16 from an fp32 as torch's `.to` rounds: to nearest even, any NaN as 0xffff.
+inline c10::BFloat16 to_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return c10::BFloat16(std::isnan(x) ? uint16_t(0xffff) : uint16_t((u + 0x7fff + ((u >> 16) & 1)) >> 16),
+                       c10::BFloat16::from_bits());
+}
+
+// to_bf16 16 at a time.
+__attribute__((target("avx512f,avx512bw"))) void round_bf16(const float* src, c10::BFloat16* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(src + i);
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0xffff));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(r));
+  }
+  for (; i < n; ++i) dst[i] = to_bf16(src[i]);
+}
+
+// Where a GEMM's result goes: fp32 accumulators `acc` ([batch, M, N], contiguous) and, for a bf16 or fp16
+// result, `rounded` (the same layout), into which each task rounds its own block once it is complete.
+struct Output {
+  float* acc;
+  void* rounded = nullptr;
+  at::ScalarType dtype = at::kFloat;
+  bool avx512 = false;
+
+  void finish(int64_t bi, int64_t M, int64_t N, int64_t m_lo, int64_t m_hi, int64_t n0, int64_t nc) const {
+    if (dtype == at::kFloat) return;
+    for (int64_t r = m_lo; r < m_hi; ++r) {
+      const int64_t at = bi * M * N + r * N + n0;
+      if (dtype == at::kBFloat16) {
+        auto* dst = static_cast<c10::BFloat16*>(rounded) + at;
+        if (avx512) round_bf16(acc + at, dst, nc);
+        else
+          for (int64_t q = 0; q < nc; ++q) dst[q] = to_bf16(acc[at + q]);
+      } else {
+        auto* dst = static_cast<c10::Half*>(rounded) + at;
+        for (int64_t q = 0; q < nc; ++q) dst[q] = c10::Half(acc[at + q]);
+      }
+    }
+  }
 };
 
 // ------------------------------------------------------------------------------------------ packing
@@ -261,7 +309,7 @@ struct Plan {
 
 // out[b] (fp32 [M, N], contiguous) = a[b] @ bm[b] on an FMA tier.
 template <typename TA, typename TB>
-void gemm(Tier tier, Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_t K, float* out) {
+void gemm(Tier tier, Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_t K, const Output& out) {
   const int64_t width = panel_width(tier);
   const Plan plan(batch, M, N, MR);
 
@@ -276,7 +324,7 @@ void gemm(Tier tier, Strided a, Strided bm, int64_t batch, int64_t M, int64_t N,
       const int64_t bi = plan.batch_item(task);
       const TA* a_base = static_cast<const TA*>(a.data) + bi * a.batch;
       const TB* b_base = static_cast<const TB*>(bm.data) + bi * bm.batch;
-      float* c_base = out + bi * M * N;
+      float* c_base = out.acc + bi * M * N;
       const int64_t n0 = plan.n0(task), nc = plan.nc(task, N);
       const int64_t m_lo = plan.m_lo(task), m_hi = plan.m_hi(task, M);
       // B is read in place when its columns are contiguous and whole panels; otherwise packed.
@@ -316,6 +364,7 @@ void gemm(Tier tier, Strided a, Strided bm, int64_t batch, int64_t M, int64_t N,
           }
         }
       }
+      out.finish(bi, M, N, m_lo, m_hi, n0, nc);
     }
   });
 }
@@ -349,16 +398,47 @@ void pack_a_pairs(const bf16* a, int64_t rs, int64_t cs, int64_t mc, int64_t kc,
   }
 }
 
-// dst[m][k] (rows ld apart) = a[m][k] (row stride rs, k stride cs), m < rows, k < K; the loop runs along a's
-// contiguous dimension (a transposed activation, as a weight gradient reads it, has its m contiguous).
+// dst[m][k] (rows ld apart) = a[m][k] (row stride rs, k stride cs), m < rows, k < K. A transposed activation
+// (m contiguous, as a weight gradient reads it) moves as 16 x 16 tiles transposed in registers: element by
+// element it cost a 384 x 512 x 128 weight-gradient GEMM 10x its AMX time.
 void copy_rows(const bf16* a, int64_t rs, int64_t cs, int64_t rows, int64_t K, bf16* dst, int64_t ld) {
   if (rs < cs) {
+    const int64_t m_tiled = rs == 1 ? rows / 16 * 16 : 0, k_tiled = rs == 1 ? K / 16 * 16 : 0;
+    for (int64_t k = 0; k < k_tiled; k += 16)
+      for (int64_t m = 0; m < m_tiled; m += 16) transpose_tile16<bf16>(a + k * cs + m, cs, dst + m * ld + k, ld);
     for (int64_t k = 0; k < K; ++k)
-      for (int64_t m = 0; m < rows; ++m) dst[m * ld + k] = a[m * rs + k * cs];
+      for (int64_t m = k < k_tiled ? m_tiled : 0; m < rows; ++m) dst[m * ld + k] = a[m * rs + k * cs];
   } else {
     for (int64_t m = 0; m < rows; ++m)
       for (int64_t k = 0; k < K; ++k) dst[m * ld + k] = a[m * rs + k * cs];
   }
+}
+
+// A buffer of this thread's, kept between calls: a fresh one of a few MB costs page faults (in our VM about as
+// long as the GEMM it serves).
+template <typename T>
+T* scratch(std::vector<T>& kept, int64_t n) {
+  if (static_cast<int64_t>(kept.size()) < n) kept.resize(n);
+  return kept.data();
+}
+
+// A packed: copy_rows for each of `batch` items (dst_batch elements apart) into rows of ld elements, zeros past
+// K and from `rows` up to `padded_rows`; chunks of rows spread over the threads.
+void pack_rows(const bf16* a, int64_t a_batch, int64_t rs, int64_t cs, int64_t batch, int64_t rows, int64_t padded_rows,
+               int64_t K, bf16* dst, int64_t dst_batch, int64_t ld) {
+  constexpr int64_t CHUNK = 64;
+  const int64_t chunks = (padded_rows + CHUNK - 1) / CHUNK;
+  const bf16 zero(0.0f);
+  at::parallel_for(0, batch * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t bi = t / chunks, r0 = t % chunks * CHUNK, r1 = std::min(padded_rows, r0 + CHUNK);
+      bf16* d = dst + bi * dst_batch;
+      const int64_t copied = std::clamp<int64_t>(rows - r0, 0, r1 - r0);
+      copy_rows(a + bi * a_batch + r0 * rs, rs, cs, copied, K, d + r0 * ld, ld);
+      for (int64_t r = r0; r < r0 + copied; ++r) std::fill(d + r * ld + K, d + (r + 1) * ld, zero);
+      std::fill(d + (r0 + copied) * ld, d + r1 * ld, zero);
+    }
+  });
 }
 
 // AVX512-BF16. A is read as words [m][pair] of bf16 rows (lda bf16 apart): in place when its k are
@@ -490,7 +570,7 @@ __attribute__((target("avx512f,avx512bw"))) void pack_b_words(const bf16* b, int
 
 // out[b] = a[b] @ bm[b], bf16 x bf16 on AVX512-BF16, each MR x 64 micro-block resuming its fp32 accumulators
 // from one K block (KC) to the next.
-void gemm_dpbf16(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_t K, float* out) {
+void gemm_dpbf16(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_t K, const Output& out) {
   constexpr int64_t width = 64;
   const Plan plan(batch, M, N, MR);
   // B's rows interleaved in the micro-kernel while a task makes one pass over them (decode), packed otherwise.
@@ -498,14 +578,13 @@ void gemm_dpbf16(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int
   // A in place, or packed once: rows of K rounded up to even, the pad a zero the pair's partner multiplies.
   const bool a_in_place = a.col == 1 && K % 2 == 0;
   const int64_t lda = a_in_place ? a.row : K + K % 2, a_batch = a_in_place ? a.batch : M * lda;
-  std::vector<bf16> apack(a_in_place ? 0 : batch * M * lda, bf16(0.0f));
+  thread_local std::vector<bf16> apack;
+  const bf16* a_data = static_cast<const bf16*>(a.data);
   if (!a_in_place) {
-    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t bi = begin; bi < end; ++bi)
-        copy_rows(static_cast<const bf16*>(a.data) + bi * a.batch, a.row, a.col, M, K, apack.data() + bi * M * lda, lda);
-    });
+    bf16* packed = scratch(apack, batch * M * lda);
+    pack_rows(a_data, a.batch, a.row, a.col, batch, M, M, K, packed, M * lda, lda);
+    a_data = packed;
   }
-  const bf16* a_data = a_in_place ? static_cast<const bf16*>(a.data) : apack.data();
   at::parallel_for(0, plan.tasks, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<uint32_t> bpack;
     thread_local std::vector<float> tile;
@@ -516,7 +595,7 @@ void gemm_dpbf16(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int
       const int64_t bi = plan.batch_item(task);
       const bf16* a_base = a_data + bi * a_batch;
       const bf16* b_base = static_cast<const bf16*>(bm.data) + bi * bm.batch;
-      float* c_base = out + bi * M * N;
+      float* c_base = out.acc + bi * M * N;
       const int64_t n0 = plan.n0(task), nc = plan.nc(task, N);
       const int64_t m_lo = plan.m_lo(task), m_hi = plan.m_hi(task, M);
       const bool in_place = b_rows && m_hi - m_lo <= MR;
@@ -543,6 +622,7 @@ void gemm_dpbf16(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int
           }
         }
       }
+      out.finish(bi, M, N, m_lo, m_hi, n0, nc);
     }
   });
 }
@@ -677,16 +757,17 @@ void pack_x_pairs(const bf16* x, int64_t rs, int64_t cs, int64_t count, int64_t 
 // The C^T form, for a weight as stored (row stride 1, K a multiple of 32): first X^T's pairs, packed once
 // per call (all of K, every row), then per task each 32 x 32 block of C^T stays in its tiles from the first
 // k to the last and is stored once. The weight's 32 rows are read in place (a last partial 32 are packed).
-void gemm_amx_ct(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_t K, float* out) {
+void gemm_amx_ct(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_t K, const Output& out) {
   constexpr int64_t BLOCK = 32;  // the C^T block: 32 weight rows x 32 activation rows
   const int64_t pairs = (K + 31) / 32 * 16, m_blocks = (M + BLOCK - 1) / BLOCK;
   const int64_t ldx = m_blocks * BLOCK + 16;  // off a power of two: a tile's 16 rows would share cache sets
-  std::vector<uint32_t> xpack(batch * pairs * ldx);
+  thread_local std::vector<uint32_t> xpack_kept;
+  uint32_t* xpack = scratch(xpack_kept, batch * pairs * ldx);
   at::parallel_for(0, batch * m_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bi = t / m_blocks, m0 = (t % m_blocks) * BLOCK;
       pack_x_pairs(static_cast<const bf16*>(a.data) + bi * a.batch + m0 * a.row, a.row, a.col,
-                   std::min(BLOCK, M - m0), K, pairs, ldx, xpack.data() + bi * pairs * ldx + m0);
+                   std::min(BLOCK, M - m0), K, pairs, ldx, xpack + bi * pairs * ldx + m0);
     }
   });
   const Plan plan(batch, M, N, BLOCK);
@@ -699,8 +780,8 @@ void gemm_amx_ct(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bi = plan.batch_item(task);
       const bf16* b_base = static_cast<const bf16*>(bm.data) + bi * bm.batch;
-      const uint32_t* x = xpack.data() + bi * pairs * ldx;
-      float* c_base = out + bi * M * N;
+      const uint32_t* x = xpack + bi * pairs * ldx;
+      float* c_base = out.acc + bi * M * N;
       const int64_t n0 = plan.n0(task), nc = plan.nc(task, N);
       const int64_t m_lo = plan.m_lo(task), m_hi = plan.m_hi(task, M);
       for (int64_t j = 0; j < nc; j += BLOCK) {
@@ -726,6 +807,7 @@ void gemm_amx_ct(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int
             for (int64_t q = 0; q < cols; ++q) c[r * N + q] = ct[q * BLOCK + r];
         }
       }
+      out.finish(bi, M, N, m_lo, m_hi, n0, nc);
     }
     amx_release();
   });
@@ -734,18 +816,16 @@ void gemm_amx_ct(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int
 // The C form: A's rows read in place when they hold whole 32-k tiles (k contiguous, K a multiple of 32), else
 // packed once with K rounded up to 32 by zeros; a last partial 32-row block is always such a packed copy.
 // Per task and K block (KC_AMX), B's block is packed into words once and swept by each 32-row block of A.
-void gemm_amx_c(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_t K, float* out) {
+void gemm_amx_c(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_t K, const Output& out) {
   constexpr int64_t BLOCK = 32, KC_AMX = 512;
   const int64_t k32 = (K + 31) / 32 * 32;
   const bool a_in_place = a.col == 1 && K % 32 == 0;
   const int64_t m_in_place = a_in_place ? M / BLOCK * BLOCK : 0;
   const int64_t packed_rows = (M - m_in_place + BLOCK - 1) / BLOCK * BLOCK;
-  std::vector<bf16> apack(batch * packed_rows * k32, bf16(0.0f));
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t bi = begin; bi < end; ++bi)
-      copy_rows(static_cast<const bf16*>(a.data) + bi * a.batch + m_in_place * a.row, a.row, a.col, M - m_in_place, K,
-                apack.data() + bi * packed_rows * k32, k32);
-  });
+  thread_local std::vector<bf16> apack_kept;
+  bf16* apack = scratch(apack_kept, batch * packed_rows * k32);
+  pack_rows(static_cast<const bf16*>(a.data) + m_in_place * a.row, a.batch, a.row, a.col, batch, M - m_in_place,
+            packed_rows, K, apack, packed_rows * k32, k32);
   const Plan plan(batch, M, N, BLOCK);
   at::parallel_for(0, plan.tasks, 1, [&](int64_t begin, int64_t end) {
     // Rows of B's block: a multiple of 32 words (the packer's step), off a power of two (cache sets).
@@ -758,9 +838,9 @@ void gemm_amx_c(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int6
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bi = plan.batch_item(task);
       const bf16* a_base = static_cast<const bf16*>(a.data) + bi * a.batch;
-      const bf16* a_packed = apack.data() + bi * packed_rows * k32;
+      const bf16* a_packed = apack + bi * packed_rows * k32;
       const bf16* b_base = static_cast<const bf16*>(bm.data) + bi * bm.batch;
-      float* c_base = out + bi * M * N;
+      float* c_base = out.acc + bi * M * N;
       const int64_t n0 = plan.n0(task), nc = plan.nc(task, N);
       const int64_t m_lo = plan.m_lo(task), m_hi = plan.m_hi(task, M);
       for (int64_t k0 = 0; k0 < K; k0 += KC_AMX) {
@@ -787,6 +867,7 @@ void gemm_amx_c(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int6
           }
         }
       }
+      out.finish(bi, M, N, m_lo, m_hi, n0, nc);
     }
     amx_release();
   });
@@ -798,14 +879,14 @@ void gemm_amx_c(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int6
 // N 6144 1172 vs 1275, M 1024 K 512 N 512 749 vs 1069. A choice of speed: the two forms give the same bits.
 bool amx_ct_pays(int64_t M, int64_t N) { return M <= 32 || N >= 16 * M; }
 
-void gemm_amx(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_t K, float* out) {
+void gemm_amx(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_t K, const Output& out) {
   if (bm.row == 1 && K % 32 == 0 && amx_ct_pays(M, N)) gemm_amx_ct(a, bm, batch, M, N, K, out);
   else gemm_amx_c(a, bm, batch, M, N, K, out);
 }
 
 template <typename TA>
 void gemm_b(Tier tier, Strided a, Strided b, at::ScalarType tb, int64_t batch, int64_t M, int64_t N, int64_t K,
-            float* out) {
+            const Output& out) {
   switch (tb) {
     case at::kFloat: return gemm<TA, float>(tier, a, b, batch, M, N, K, out);
     case at::kBFloat16: return gemm<TA, c10::BFloat16>(tier, a, b, batch, M, N, K, out);
@@ -854,9 +935,40 @@ bool tier_runs(int64_t tier) {
   return tier >= PORTABLE && tier <= AMX_BF16 && runs[tier];
 }
 
-// out (fp32 [batch, M, N], contiguous) = a @ b on tier t.
+// A GEMM's result [batch, M, N] at `result`, in `dtype`: fp32 accumulated there; bf16 or fp16 accumulated in
+// this thread's kept fp32 buffer (a fresh one of a few MB costs page faults, in our VM about as long as the
+// GEMM), or past 64 MiB in one of the call's own, so that a vocabulary-sized one does not stay resident.
+class Result {
+ public:
+  Result(void* result, at::ScalarType dtype, Tier tier, int64_t n) {
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+                "logdiff mm: the result must be float32, bfloat16 or float16, got ", dtype);
+    out_.dtype = dtype;
+    out_.avx512 = tier >= AVX512;
+    if (dtype == at::kFloat) {
+      out_.acc = static_cast<float*>(result);
+      return;
+    }
+    constexpr int64_t KEEP = 16 << 20;
+    thread_local std::vector<float> kept;
+    if (n <= KEEP) {
+      out_.acc = scratch(kept, n);
+    } else {
+      own_ = at::empty({n}, at::kFloat);
+      out_.acc = own_.data_ptr<float>();
+    }
+    out_.rounded = result;
+  }
+  const Output& output() const { return out_; }
+
+ private:
+  Output out_{nullptr};
+  at::Tensor own_;
+};
+
+// `out` = a @ b on tier t.
 void run(Tier t, Strided sa, at::ScalarType ta, Strided sb, at::ScalarType tb, int64_t batch, int64_t M, int64_t N,
-         int64_t K, float* o) {
+         int64_t K, const Output& o) {
   if (t == AVX512_BF16 || t == AMX_BF16) {
     TORCH_CHECK(ta == at::kBFloat16 && tb == at::kBFloat16, "logdiff mm: the bf16 tiers take bfloat16 operands only");
     if (t == AMX_BF16) gemm_amx(sa, sb, batch, M, N, K, o);
@@ -871,8 +983,20 @@ void run(Tier t, Strided sa, at::ScalarType ta, Strided sb, at::ScalarType tb, i
   }
 }
 
-// a [batch, M, K], b [batch, K, N], any strides -> fp32 [batch, M, N]; or 2-d, one batch item.
-at::Tensor mm(const at::Tensor& a, const at::Tensor& b, int64_t tier) {
+// `out` ([batch, M, N] contiguous, in its own dtype) = a @ b on tier t; zero where K is 0.
+void run_into(at::Tensor out, Tier t, Strided sa, at::ScalarType ta, Strided sb, at::ScalarType tb, int64_t batch,
+              int64_t M, int64_t N, int64_t K) {
+  if (out.numel() == 0) return;
+  if (K == 0) {
+    out.zero_();
+    return;
+  }
+  const Result result(out.data_ptr(), out.scalar_type(), t, batch * M * N);
+  run(t, sa, ta, sb, tb, batch, M, N, K, result.output());
+}
+
+// a [batch, M, K], b [batch, K, N], any strides -> [batch, M, N] in out_dtype; or 2-d, one batch item.
+at::Tensor mm(const at::Tensor& a, const at::Tensor& b, int64_t tier, at::ScalarType out_dtype) {
   TORCH_CHECK(a.dim() == b.dim() && (a.dim() == 2 || a.dim() == 3), "logdiff mm: two 2-d or two 3-d operands expected");
   const bool batched = a.dim() == 3;
   TORCH_CHECK((!batched || a.size(0) == b.size(0)) && a.size(-1) == b.size(-2), "logdiff mm: shapes ", a.sizes(),
@@ -880,13 +1004,11 @@ at::Tensor mm(const at::Tensor& a, const at::Tensor& b, int64_t tier) {
   TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu(), "logdiff mm: CPU tensors expected");
   TORCH_CHECK(tier_runs(tier), "logdiff mm: tier ", tier, " does not run on this CPU");
   const int64_t batch = batched ? a.size(0) : 1, M = a.size(-2), K = a.size(-1), N = b.size(-1);
-  at::Tensor out = batched ? at::empty({batch, M, N}, a.options().dtype(at::kFloat))
-                           : at::empty({M, N}, a.options().dtype(at::kFloat));
-  if (out.numel() == 0) return out;
-  if (K == 0) return out.zero_();
-  Strided sa{a.data_ptr(), batched ? a.stride(0) : 0, a.stride(-2), a.stride(-1)};
-  Strided sb{b.data_ptr(), batched ? b.stride(0) : 0, b.stride(-2), b.stride(-1)};
-  run(static_cast<Tier>(tier), sa, a.scalar_type(), sb, b.scalar_type(), batch, M, N, K, out.data_ptr<float>());
+  at::Tensor out = batched ? at::empty({batch, M, N}, a.options().dtype(out_dtype))
+                           : at::empty({M, N}, a.options().dtype(out_dtype));
+  run_into(out, static_cast<Tier>(tier), {a.data_ptr(), batched ? a.stride(0) : 0, a.stride(-2), a.stride(-1)},
+           a.scalar_type(), {b.data_ptr(), batched ? b.stride(0) : 0, b.stride(-2), b.stride(-1)}, b.scalar_type(),
+           batch, M, N, K);
   return out;
 }
 
@@ -906,8 +1028,7 @@ const void* row_at(const at::Tensor& t, int64_t row) {
 }
 
 // out[rows of group e] = a[rows of group e] @ b[e]: a [T, K], b [E, K, N] -> [T, N] in out_dtype. Per group
-// the very GEMM `mm` runs, into an fp32 block that is then rounded once (torch's copy_, as `.to` rounds), so a
-// row's bits are those of `mm` on its group's weight rounded by `.to`.
+// the very GEMM `mm` runs, rounded as `mm` rounds, so a row's bits are those of `mm` on its group's weight.
 at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets, int64_t tier,
                       at::ScalarType out_dtype) {
   TORCH_CHECK(a.dim() == 2 && b.dim() == 3 && a.size(1) == b.size(1), "logdiff grouped mm: a [T, K] and b [E, K, N] "
@@ -920,14 +1041,10 @@ at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor
   at::Tensor out = at::empty({a.size(0), N}, a.options().dtype(out_dtype));
   int64_t most = 0;
   for (int64_t e = 0; e < groups; ++e) most = std::max(most, off[e + 1] - off[e]);
-  auto group = [&](int64_t e, at::Tensor& block) {
+  auto group = [&](int64_t e) {
     const int64_t M = off[e + 1] - off[e];
-    if (M == 0 || N == 0) return;
-    at::Tensor c = block.narrow(0, 0, M);
-    if (K == 0) c.zero_();
-    else run(static_cast<Tier>(tier), {row_at(a, off[e]), 0, a.stride(0), a.stride(1)}, a.scalar_type(),
-             {row_at(b, e), 0, b.stride(1), b.stride(2)}, b.scalar_type(), 1, M, N, K, c.data_ptr<float>());
-    out.narrow(0, off[e], M).copy_(c);
+    run_into(out.narrow(0, off[e], M), static_cast<Tier>(tier), {row_at(a, off[e]), 0, a.stride(0), a.stride(1)},
+             a.scalar_type(), {row_at(b, e), 0, b.stride(1), b.stride(2)}, b.scalar_type(), 1, M, N, K);
   };
   // Many groups, none with more than a thread's share of the rows: a thread takes whole groups (each GEMM
   // then runs on its thread alone), else the groups go one after the other on every thread. Which thread
@@ -935,19 +1052,17 @@ at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor
   const int64_t threads = at::get_num_threads();
   if (groups >= 4 * threads && most * threads <= a.size(0)) {
     at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-      at::Tensor block = at::empty({most, N}, a.options().dtype(at::kFloat));
-      for (int64_t e = begin; e < end; ++e) group(e, block);
+      for (int64_t e = begin; e < end; ++e) group(e);
     });
   } else {
-    at::Tensor block = at::empty({most, N}, a.options().dtype(at::kFloat));
-    for (int64_t e = 0; e < groups; ++e) group(e, block);
+    for (int64_t e = 0; e < groups; ++e) group(e);
   }
   return out;
 }
 
 // out[e] = x[rows of group e]^T @ y[rows of group e]: x [T, P], y [T, Q] -> [E, P, Q] in out_dtype, each reduced
-// over its group's rows in ascending order and rounded once as `grouped_mm` rounds (a weight gradient of
-// `grouped_mm`; zero for a group with no rows).
+// over its group's rows in ascending order and rounded as `mm` rounds (a weight gradient of `grouped_mm`; zero
+// for a group with no rows).
 at::Tensor grouped_mm_tn(const at::Tensor& x, const at::Tensor& y, const at::Tensor& offsets, int64_t tier,
                          at::ScalarType out_dtype) {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0), "logdiff grouped mm: x [T, P] and y [T, Q] "
@@ -956,17 +1071,10 @@ at::Tensor grouped_mm_tn(const at::Tensor& x, const at::Tensor& y, const at::Ten
   const std::vector<int64_t> off = group_offsets(offsets, x.size(0));
   const int64_t groups = static_cast<int64_t>(off.size()) - 1, P = x.size(1), Q = y.size(1);
   at::Tensor out = at::empty({groups, P, Q}, x.options().dtype(out_dtype));
-  at::Tensor block = at::empty({P, Q}, x.options().dtype(at::kFloat));
   for (int64_t e = 0; e < groups; ++e) {
-    const int64_t rows = off[e + 1] - off[e];
-    if (rows == 0 || P == 0 || Q == 0) {
-      out[e].zero_();
-      continue;
-    }
     // x's rows of the group, transposed
-    run(static_cast<Tier>(tier), {row_at(x, off[e]), 0, x.stride(1), x.stride(0)}, x.scalar_type(),
-        {row_at(y, off[e]), 0, y.stride(0), y.stride(1)}, y.scalar_type(), 1, P, Q, rows, block.data_ptr<float>());
-    out[e].copy_(block);
+    run_into(out[e], static_cast<Tier>(tier), {row_at(x, off[e]), 0, x.stride(1), x.stride(0)}, x.scalar_type(),
+             {row_at(y, off[e]), 0, y.stride(0), y.stride(1)}, y.scalar_type(), 1, P, Q, off[e + 1] - off[e]);
   }
   return out;
 }
@@ -974,7 +1082,7 @@ at::Tensor grouped_mm_tn(const at::Tensor& x, const at::Tensor& y, const at::Ten
 }  // namespace
 
 TORCH_LIBRARY(logdiff, m) {
-  m.def("mm(Tensor a, Tensor b, int tier) -> Tensor", &mm);
+  m.def("mm(Tensor a, Tensor b, int tier, ScalarType out_dtype) -> Tensor", &mm);
   m.def("grouped_mm(Tensor a, Tensor b, Tensor offsets, int tier, ScalarType out_dtype) -> Tensor", &grouped_mm);
   m.def("grouped_mm_tn(Tensor x, Tensor y, Tensor offsets, int tier, ScalarType out_dtype) -> Tensor", &grouped_mm_tn);
   m.def("tier_runs(int tier) -> bool", &tier_runs);
