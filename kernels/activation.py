@@ -10,9 +10,10 @@ import torch
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up in fp32, rounded once to the inputs' dtype."""
+    """silu(gate) * up in fp32, rounded once to the inputs' dtype. `up` is widened inside the multiply, by type
+    promotion: the bits of an fp32 copy, without one."""
     g = gate.float()
-    return (g / (1.0 + torch.exp(-g)) * up.float()).to(gate.dtype)
+    return (g / (1.0 + torch.exp(-g)) * up).to(gate.dtype)
 
 
 def fused_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

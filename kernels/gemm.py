@@ -31,7 +31,8 @@ import torch
 
 from logdiff.errors import UserError
 
-SOURCE = Path(__file__).parent / "csrc" / "fixed_gemm.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "fixed_gemm.cpp", CSRC / "moe_combine.cpp")  # one extension, torch.ops.logdiff
 FMA_TIERS = ("portable", "avx2", "avx512")
 BF16_TIERS = ("avx512-bf16", "amx-bf16")
 TIERS = FMA_TIERS + BF16_TIERS  # the C++ enum's order, slowest first
@@ -41,12 +42,13 @@ CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 
 def cache_dir() -> Path:
     root = Path(os.environ.get("LOGDIFF_CACHE") or Path.home() / ".cache" / "logdiff")
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
+    sources = b"".join(path.read_bytes() for path in sorted(CSRC.iterdir()))
+    digest = hashlib.sha256(sources + " ".join(CFLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
     return root / f"gemm-{digest}"
 
 
 @cache
-def _ops():
+def extension():
     """torch.ops.logdiff, the extension built (once per source and torch version) and loaded."""
     if not hasattr(torch.ops.logdiff, "mm"):
         library = cache_dir() / "logdiff_gemm.so"
@@ -72,8 +74,8 @@ def _build_and_load(library: Path) -> None:
     build = Path(tempfile.mkdtemp(prefix=".build-", dir=library.parent))
     print(f"logdiff: compiling the fixed-order GEMM into {library.parent} (once; about 30 s)", flush=True)
     try:
-        cpp_extension.load(name="logdiff_gemm", sources=[str(SOURCE)], build_directory=str(build), extra_cflags=CFLAGS,
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        cpp_extension.load(name="logdiff_gemm", sources=[str(path) for path in SOURCES], build_directory=str(build),
+                           extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except (RuntimeError, OSError) as e:
         log = library.parent / "build.log"
         log.write_text(str(e))
@@ -87,7 +89,7 @@ def _build_and_load(library: Path) -> None:
 
 def tiers_here() -> list[str]:
     """The tiers this CPU runs, slowest first."""
-    ops = _ops()
+    ops = extension()
     return [name for i, name in enumerate(TIERS) if ops.tier_runs(i)]
 
 
@@ -130,10 +132,10 @@ def mm(a: torch.Tensor, b: torch.Tensor, tier_name: str | None = None,
     `tier_name` (default: this process's tier for the operands' dtypes)."""
     tier = TIERS.index(tier_name or tier_for(a.dtype, b.dtype))
     if a.dim() == b.dim() <= 3:  # what the op takes as it is: a decode step makes hundreds of small calls
-        return _ops().mm(a, b, tier, out_dtype)
+        return extension().mm(a, b, tier, out_dtype)
     lead = a.shape[:-2]
     batch = lead.numel()
-    out = _ops().mm(a.reshape(batch, *a.shape[-2:]), b.reshape(batch, *b.shape[-2:]), tier, out_dtype)
+    out = extension().mm(a.reshape(batch, *a.shape[-2:]), b.reshape(batch, *b.shape[-2:]), tier, out_dtype)
     return out.view(*lead, *out.shape[-2:])
 
 
@@ -163,12 +165,39 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = torch.floa
     return mm(a, b, out_dtype=out_dtype)
 
 
+class _ChunkedMatMul(torch.autograd.Function):
+    """`chunked_linear`'s forward in one call. Its backward is the chunks' own, each on the whole operand: dx
+    column j comes from the chunk that holds j alone (g @ w, reduced over the outputs in order), dw = g.T @ x
+    (reduced over the tokens in order), in w's layout."""
+
+    @staticmethod
+    def forward(ctx, x, w, chunks):
+        ctx.save_for_backward(x, w)
+        return extension().mm_chunked(x, w.mT, TIERS.index(tier_for(x.dtype, w.dtype)), x.dtype, chunks)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        dx = mm(g, w, out_dtype=x.dtype) if ctx.needs_input_grad[0] else None
+        dw = mm(g.mT, x, out_dtype=w.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+def chunked_linear(x: torch.Tensor, w: torch.Tensor, chunks: int) -> torch.Tensor:
+    """x [N, K] @ w [out, K].T as `chunks` GEMMs over equal chunks of K, each reduced from zero, their fp32
+    results added in chunk order and rounded once to x's dtype: the bits of `linear(.., torch.float32)` per
+    chunk summed in order, without the chunks' fp32 outputs. Differentiable."""
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return _ChunkedMatMul.apply(x, w, chunks)
+    return extension().mm_chunked(x, w.mT, TIERS.index(tier_for(x.dtype, w.dtype)), x.dtype, chunks)
+
+
 def _grouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    return _ops().grouped_mm(a, b, offsets, TIERS.index(tier_for(a.dtype, b.dtype)), out_dtype)
+    return extension().grouped_mm(a, b, offsets, TIERS.index(tier_for(a.dtype, b.dtype)), out_dtype)
 
 
 def _grouped_tn(x: torch.Tensor, y: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    return _ops().grouped_mm_tn(x, y, offsets, TIERS.index(tier_for(x.dtype, y.dtype)), out_dtype)
+    return extension().grouped_mm_tn(x, y, offsets, TIERS.index(tier_for(x.dtype, y.dtype)), out_dtype)
 
 
 class _GroupedMatMul(torch.autograd.Function):

@@ -12,7 +12,7 @@ GEMM on upcast operands. Rounded once to the model dtype either way.
 
 import torch
 
-from logdiff.kernels.gemm import linear, weight_layout
+from logdiff.kernels.gemm import chunked_linear, linear, weight_layout
 
 __all__ = ["linear", "plain_linear", "row_tiled_linear", "split_k_linear", "weight_layout", "native_gemm_dtype",
            "fixed_order_row_linear", "sum_in_order"]
@@ -62,10 +62,13 @@ def fixed_order_row_linear(x: torch.Tensor, w: torch.Tensor, comm) -> torch.Tens
     """x [N, K/size] @ w[out, K/size].T summed over the ranks of `comm` in an order that does not depend on
     their number: a partial GEMM per fixed K chunk (REDUCE_CHUNKS of them over the whole K), the partials
     of all ranks gathered in chunk order, then added one after the other in fp32 and rounded once. One
-    process (size 1) computes the very same chunks, so TP1, TP2 and TP4 give the same bits."""
+    process (size 1) computes the very same chunks in one call (`chunked_linear`), so TP1, TP2 and TP4 give
+    the same bits."""
     local = REDUCE_CHUNKS // comm.size
     if local * comm.size != REDUCE_CHUNKS or x.shape[-1] % local:
         raise ValueError(f"K {x.shape[-1] * comm.size} does not split into {REDUCE_CHUNKS} chunks over {comm.size} ranks")
+    if comm.size == 1:
+        return chunked_linear(x, w, REDUCE_CHUNKS)
     width = x.shape[-1] // local
     # Column slices of x and w, not copies: the GEMM reads strided operands as they are.
     parts = [linear(x[:, c * width:(c + 1) * width], w[:, c * width:(c + 1) * width], torch.float32) for c in range(local)]

@@ -222,6 +222,25 @@ def test_a_grouped_call_is_the_per_group_gemm_forward_and_backward(dtype, k_majo
         assert torch.equal(dx[lo:hi], dxe) and torch.equal(dw[e], dwe), f"group {e} gradient"
 
 
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("m,k,n", [(1, 512, 64), (70, 256, 130), (33, 1024, 512)])
+def test_a_chunked_call_is_its_chunks_gemms_summed_in_order(dtype, m, k, n):
+    """One call for a row-parallel layer's K chunks: the fp32 GEMM of each chunk, added in chunk order, rounded
+    once; its backward is the GEMM of the whole operands (each column of dx belongs to one chunk)."""
+    gen = torch.Generator().manual_seed(m + k)
+    x = torch.randn(m, k, generator=gen).to(dtype).requires_grad_()
+    w = torch.randn(n, k, generator=gen).to(dtype).requires_grad_()
+    out = gemm.chunked_linear(x, w, 4)
+    parts = [linear(xc, wc, torch.float32) for xc, wc in zip(x.detach().chunk(4, -1), w.detach().chunk(4, -1))]
+    expected = (((parts[0] + parts[1]) + parts[2]) + parts[3]).to(dtype)
+    assert torch.equal(out.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       expected.view(torch.int16 if dtype != torch.float32 else torch.int32))
+    dy = torch.randn(m, n, generator=gen).to(dtype)
+    dx, dw = torch.autograd.grad(out, (x, w), dy)
+    assert torch.equal(dx, gemm.mm(dy, w.detach(), out_dtype=dtype))
+    assert torch.equal(dw, gemm.mm(dy.mT, x.detach(), out_dtype=dtype))
+
+
 def test_a_tier_the_cpu_cannot_run_is_one_line(monkeypatch):
     monkeypatch.setenv("LOGDIFF_GEMM_TIER", "avx1024")
     gemm.tiers.cache_clear()

@@ -24,6 +24,8 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "rounding.h"
+
 #include <cpuid.h>
 #include <immintrin.h>
 
@@ -38,6 +40,9 @@
 #include <vector>
 
 namespace {
+
+using logdiff::round_bf16;
+using logdiff::to_bf16;
 
 enum Tier : int64_t { PORTABLE = 0, AVX2 = 1, AVX512 = 2, AVX512_BF16 = 3, AMX_BF16 = 4 };
 
@@ -56,48 +61,35 @@ struct Strided {
   int64_t batch, row, col;
 };
 
-// A bf16 from an fp32 as torch's `.to` rounds: to nearest even, any NaN as 0xffff.
-inline c10::BFloat16 to_bf16(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return c10::BFloat16(std::isnan(x) ? uint16_t(0xffff) : uint16_t((u + 0x7fff + ((u >> 16) & 1)) >> 16),
-                       c10::BFloat16::from_bits());
-}
-
-// to_bf16 16 at a time.
-__attribute__((target("avx512f,avx512bw"))) void round_bf16(const float* src, c10::BFloat16* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 x = _mm512_loadu_ps(src + i);
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0xffff));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(r));
-  }
-  for (; i < n; ++i) dst[i] = to_bf16(src[i]);
-}
-
-// Where a GEMM's result goes: fp32 accumulators `acc` ([batch, M, N], contiguous) and, for a bf16 or fp16
-// result, `rounded` (the same layout), into which each task rounds its own block once it is complete.
+// Where a GEMM's result goes: fp32 accumulators `acc` ([batch, M, N], contiguous); with `total` (the same
+// layout), each task adds its block into it once the block is complete (a K chunk's GEMM joining the sum of the
+// chunks before it); with `rounded`, the task then rounds its block of the sum (or of acc) to bf16 or fp16.
 struct Output {
   float* acc;
+  float* total = nullptr;
   void* rounded = nullptr;
   at::ScalarType dtype = at::kFloat;
   bool avx512 = false;
 
   void finish(int64_t bi, int64_t M, int64_t N, int64_t m_lo, int64_t m_hi, int64_t n0, int64_t nc) const {
-    if (dtype == at::kFloat) return;
+    if (total == nullptr && rounded == nullptr) return;
     for (int64_t r = m_lo; r < m_hi; ++r) {
       const int64_t at = bi * M * N + r * N + n0;
+      const float* sum = acc + at;
+      if (total != nullptr) {
+        float* t = total + at;
+        for (int64_t q = 0; q < nc; ++q) t[q] = t[q] + sum[q];
+        sum = t;
+      }
+      if (rounded == nullptr) continue;
       if (dtype == at::kBFloat16) {
         auto* dst = static_cast<c10::BFloat16*>(rounded) + at;
-        if (avx512) round_bf16(acc + at, dst, nc);
+        if (avx512) round_bf16(sum, dst, nc);
         else
-          for (int64_t q = 0; q < nc; ++q) dst[q] = to_bf16(acc[at + q]);
+          for (int64_t q = 0; q < nc; ++q) dst[q] = to_bf16(sum[q]);
       } else {
         auto* dst = static_cast<c10::Half*>(rounded) + at;
-        for (int64_t q = 0; q < nc; ++q) dst[q] = c10::Half(acc[at + q]);
+        for (int64_t q = 0; q < nc; ++q) dst[q] = c10::Half(sum[q]);
       }
     }
   }
@@ -935,9 +927,18 @@ bool tier_runs(int64_t tier) {
   return tier >= PORTABLE && tier <= AMX_BF16 && runs[tier];
 }
 
-// A GEMM's result [batch, M, N] at `result`, in `dtype`: fp32 accumulated there; bf16 or fp16 accumulated in
-// this thread's kept fp32 buffer (a fresh one of a few MB costs page faults, in our VM about as long as the
-// GEMM), or past 64 MiB in one of the call's own, so that a vocabulary-sized one does not stay resident.
+// fp32 space for accumulators: this thread's kept buffer (a fresh one of a few MB costs page faults, in our VM
+// about as long as the GEMM), or past 64 MiB one of the caller's own, so that a vocabulary-sized result does not
+// stay resident.
+float* accumulators(std::vector<float>& kept, at::Tensor& own, int64_t n) {
+  constexpr int64_t KEEP = 16 << 20;
+  if (n <= KEEP) return scratch(kept, n);
+  own = at::empty({n}, at::kFloat);
+  return own.data_ptr<float>();
+}
+
+// A GEMM's result [batch, M, N] at `result`, in `dtype`: fp32 accumulated in place, bf16 or fp16 accumulated
+// in fp32 `accumulators` and rounded into it.
 class Result {
  public:
   Result(void* result, at::ScalarType dtype, Tier tier, int64_t n) {
@@ -949,14 +950,8 @@ class Result {
       out_.acc = static_cast<float*>(result);
       return;
     }
-    constexpr int64_t KEEP = 16 << 20;
     thread_local std::vector<float> kept;
-    if (n <= KEEP) {
-      out_.acc = scratch(kept, n);
-    } else {
-      own_ = at::empty({n}, at::kFloat);
-      out_.acc = own_.data_ptr<float>();
-    }
+    out_.acc = accumulators(kept, own_, n);
     out_.rounded = result;
   }
   const Output& output() const { return out_; }
@@ -1009,6 +1004,39 @@ at::Tensor mm(const at::Tensor& a, const at::Tensor& b, int64_t tier, at::Scalar
   run_into(out, static_cast<Tier>(tier), {a.data_ptr(), batched ? a.stride(0) : 0, a.stride(-2), a.stride(-1)},
            a.scalar_type(), {b.data_ptr(), batched ? b.stride(0) : 0, b.stride(-2), b.stride(-1)}, b.scalar_type(),
            batch, M, N, K);
+  return out;
+}
+
+// out = the fp32 sum, in chunk order, of `chunks` GEMMs a[:, K chunk c] @ b[K chunk c, :] (K cut into equal
+// chunks), each reduced from zero as a GEMM of its own, rounded once to out_dtype: what the ranks of a
+// row-parallel layer compute and add in rank order, in one call. Each task adds its block of a chunk into the
+// sum, and rounds it after the last, while the block is in cache.
+at::Tensor mm_chunked(const at::Tensor& a, const at::Tensor& b, int64_t tier, at::ScalarType out_dtype, int64_t chunks) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), "logdiff mm_chunked: a [M, K] and b [K, N] "
+              "expected, got ", a.sizes(), " and ", b.sizes());
+  TORCH_CHECK(chunks > 0 && a.size(1) % chunks == 0, "logdiff mm_chunked: K ", a.size(1), " does not split into ",
+              chunks, " chunks");
+  TORCH_CHECK(tier_runs(tier), "logdiff mm: tier ", tier, " does not run on this CPU");
+  const int64_t M = a.size(0), N = b.size(1), width = a.size(1) / chunks;
+  at::Tensor out = at::empty({M, N}, a.options().dtype(out_dtype));
+  if (out.numel() == 0) return out;
+  if (width == 0) return out.zero_();
+  const Result result(out.data_ptr(), out_dtype, static_cast<Tier>(tier), M * N);
+  thread_local std::vector<float> kept;
+  at::Tensor own;
+  float* stage = accumulators(kept, own, M * N);
+  for (int64_t c = 0; c < chunks; ++c) {
+    Output o = result.output();
+    if (c > 0) {
+      o.total = o.acc;
+      o.acc = stage;
+    }
+    if (c + 1 < chunks) o.rounded = nullptr;
+    const char* ac = static_cast<const char*>(a.data_ptr()) + c * width * a.stride(1) * a.element_size();
+    const char* bc = static_cast<const char*>(b.data_ptr()) + c * width * b.stride(0) * b.element_size();
+    run(static_cast<Tier>(tier), {ac, 0, a.stride(0), a.stride(1)}, a.scalar_type(), {bc, 0, b.stride(0), b.stride(1)},
+        b.scalar_type(), 1, M, N, width, o);
+  }
   return out;
 }
 
@@ -1083,6 +1111,7 @@ at::Tensor grouped_mm_tn(const at::Tensor& x, const at::Tensor& y, const at::Ten
 
 TORCH_LIBRARY(logdiff, m) {
   m.def("mm(Tensor a, Tensor b, int tier, ScalarType out_dtype) -> Tensor", &mm);
+  m.def("mm_chunked(Tensor a, Tensor b, int tier, ScalarType out_dtype, int chunks) -> Tensor", &mm_chunked);
   m.def("grouped_mm(Tensor a, Tensor b, Tensor offsets, int tier, ScalarType out_dtype) -> Tensor", &grouped_mm);
   m.def("grouped_mm_tn(Tensor x, Tensor y, Tensor offsets, int tier, ScalarType out_dtype) -> Tensor", &grouped_mm_tn);
   m.def("tier_runs(int tier) -> bool", &tier_runs);

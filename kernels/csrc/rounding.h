@@ -1,0 +1,35 @@
+// Rounding an fp32 result to bf16 as torch's `.to` does, for logdiff's C++ kernels (one rounding each).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace logdiff {
+
+// A bf16 from an fp32 as torch's `.to` rounds: to nearest even, any NaN as 0xffff.
+inline c10::BFloat16 to_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return c10::BFloat16(std::isnan(x) ? uint16_t(0xffff) : uint16_t((u + 0x7fff + ((u >> 16) & 1)) >> 16),
+                       c10::BFloat16::from_bits());
+}
+
+// to_bf16 16 at a time.
+__attribute__((target("avx512f,avx512bw"))) inline void round_bf16(const float* src, c10::BFloat16* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(src + i);
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0xffff));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(r));
+  }
+  for (; i < n; ++i) dst[i] = to_bf16(src[i]);
+}
+
+}  // namespace logdiff
