@@ -143,7 +143,9 @@ class _MatMul(torch.autograd.Function):
     """mm rounded once to out_dtype, with its backward on the same GEMM: da = g @ b.T (reduced over N in
     ascending order), db = a.T @ g (reduced over M, the tokens, in ascending order): deterministic whatever
     the thread count. The rounding is inside, so a bf16 output's gradient arrives as bf16 and a bf16 model's
-    backward runs on the bf16 tier, as its forward does."""
+    backward runs on the bf16 tier, as its forward does. db is computed in b's own layout: the gradient of a
+    weight as stored (b = w.T) is g.T @ a, so that it needs no transposing copy (a tied lm_head's gradient
+    meets the embedding's as [V, H], not as the transpose of one)."""
 
     @staticmethod
     def forward(ctx, a, b, out_dtype):
@@ -154,7 +156,9 @@ class _MatMul(torch.autograd.Function):
     def backward(ctx, g):
         a, b = ctx.saved_tensors
         da = mm(g, b.mT, out_dtype=a.dtype) if ctx.needs_input_grad[0] else None
-        db = mm(a.mT, g, out_dtype=b.dtype) if ctx.needs_input_grad[1] else None
+        db = None
+        if ctx.needs_input_grad[1]:
+            db = mm(g.mT, a, out_dtype=b.dtype).mT if b.stride(-2) == 1 else mm(a.mT, g, out_dtype=b.dtype)
         return da, db, None
 
 

@@ -125,8 +125,9 @@ def _per_expert(weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 class _Combine(torch.autograd.Function):
-    """The combine in one C++ pass (csrc/moe_combine.cpp); its backward in torch: d expert_out[:, r] = g *
-    weights[:, r] rounded to the outputs' dtype, d weights[:, r] = the fp32 sum over H of g * expert_out[:, r]."""
+    """The combine and its backward, each one C++ pass (csrc/moe_combine.cpp): d expert_out[:, r] = g *
+    weights[:, r] rounded to the outputs' dtype, d weights[:, r] = the fp32 sum over H of g * expert_out[:, r]
+    in a fixed order."""
 
     @staticmethod
     def forward(ctx, expert_out, weights):
@@ -136,10 +137,7 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         expert_out, weights = ctx.saved_tensors
-        g = g.float()[:, None, :]
-        d_out = (g * weights[:, :, None]).to(expert_out.dtype) if ctx.needs_input_grad[0] else None
-        d_weights = (g * expert_out).sum(-1) if ctx.needs_input_grad[1] else None
-        return d_out, d_weights
+        return extension().combine_backward(g.to(expert_out.dtype), expert_out, weights)
 
 
 def combine(expert_out, weights):

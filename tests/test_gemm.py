@@ -122,7 +122,8 @@ def test_it_is_the_fp32_gemm_of_the_stored_values(tier, dtype, k_major, m, k, n)
     assert (out.double() - exact).abs().max() < 1e-3
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 2048, 200), (5, 512, 64), (13, 768, 130), (200, 96, 300), (7, 33, 65), (70, 200, 40)])
+@pytest.mark.parametrize("m,k,n", [(1, 2048, 200), (5, 512, 64), (13, 768, 130), (200, 96, 300), (7, 33, 65), (70, 200, 40),
+                                   (300, 64, 70)])
 @pytest.mark.parametrize("tier,dtype", [(t, d) for t in gemm.tiers_here() for d in dtypes_of(t)])
 def test_the_operands_layout_changes_no_bit(tier, dtype, m, k, n):
     """x as rows or as the transpose of [K, M]; w as stored or K-major: a tier reads each in place or packs it
@@ -152,10 +153,13 @@ def test_a_rounded_result_is_the_fp32_result_rounded_as_to_rounds(tier, dtype):
     w = torch.randn(37, 64, generator=gen)
     w[0, :2] = 1
     x, w = x.to(dtype), w.to(dtype)
-    for b in (w.mT, w.mT.contiguous()):
-        rounded, exact = gemm.mm(x, b, tier, out_dtype=dtype), gemm.mm(x, b, tier)
+    # x's columns contiguous and w K-major: a weight gradient's operands, which AMX computes as C^T and stores
+    # transposed when N < M
+    for a, b in ((x, w.mT), (x, w.mT.contiguous()), (x.mT.contiguous().mT, w.mT.contiguous())):
+        rounded, exact = gemm.mm(a, b, tier, out_dtype=dtype), gemm.mm(a, b, tier)
         assert rounded.dtype == dtype
         assert torch.equal(rounded.view(torch.int16), exact.to(dtype).view(torch.int16)), tier
+        assert torch.equal(bits(exact), bits(gemm.mm(x, w.mT, tier))), tier
 
 
 def test_batched_operands_with_any_strides():
@@ -180,6 +184,7 @@ def test_backward_uses_the_same_gemm_and_is_deterministic():
     for a, b in zip(*grads):
         assert torch.equal(a, b)
     dx, dw = grads[0]
+    assert dw.is_contiguous()  # in the stored weight's own layout
     assert torch.equal(bits(dx), bits(gemm.mm(dy, w.detach())))  # dX = dY W, reduced over the outputs in order
     assert torch.equal(bits(dw), bits(gemm.mm(dy.mT, x.detach())))  # dW = dY^T X, reduced over the tokens in order
     torch.testing.assert_close(dx, dy @ w.detach(), rtol=1e-5, atol=1e-5)

@@ -1,16 +1,20 @@
 """The reductions outside the GEMM, as properties over Qwen3's shapes: a row's bits do not depend on how
 many rows share the call or on the thread count (RMSNorm over every Qwen3 hidden size, the log-softmax
-over Qwen3's vocabulary). The GEMM's own property is tests/test_gemm.py's."""
+over Qwen3's vocabulary, SiLU x up over every intermediate size). The GEMM's own property is
+tests/test_gemm.py's."""
 
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from logdiff.kernels.activation import silu_mul
 from logdiff.kernels.logsoftmax import token_logprobs
 from logdiff.kernels.norm import rms_norm
 
 HIDDEN_SIZES = [1024, 2048, 2560, 4096, 5120]  # Qwen3 0.6B, 1.7B and 30B-A3B, 4B, 8B and 235B-A22B, 14B and 32B
 VOCAB = 151936
+# 30B-A3B's and 235B-A22B's experts, then 0.6B, 1.7B, 4B, 8B, 14B, 32B
+INTERMEDIATE_SIZES = [768, 1536, 3072, 6144, 9728, 12288, 17408, 25600]
 
 
 def _rows_alone_and_together(fn, x, rows, threads):
@@ -55,3 +59,26 @@ def test_token_logprob_row_does_not_depend_on_the_rows_beside_it(m, threads, tem
         torch.set_num_threads(before)
     assert torch.equal(together.view(torch.int32), alone.view(torch.int32)), f"M {m}"
 
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(width=st.sampled_from(INTERMEDIATE_SIZES), m=st.integers(1, 512), threads=st.sampled_from([1, 2]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), data=st.data())
+def test_silu_mul_row_does_not_depend_on_the_rows_beside_it(width, m, threads, dtype, data):
+    x = torch.randn(m, 2, width, generator=torch.Generator().manual_seed(m + width)).mul(4).to(dtype)
+    rows = sorted(set(data.draw(st.lists(st.integers(0, m - 1), min_size=1, max_size=4))))
+    together, alone = _rows_alone_and_together(lambda t: silu_mul(t[:, 0], t[:, 1]), x, rows, threads)
+    assert torch.equal(together, alone)
+
+
+def test_silu_mul_backward_is_the_derivative_of_its_forward():
+    """The hand-written backward: d up exactly what autograd through the forward's ops gives, d gate within
+    an ulp of it (torch's silu_backward evaluates the same derivative in another order)."""
+    gen = torch.Generator().manual_seed(4)
+    gate, up = (torch.randn(300, 768, generator=gen).mul(4).bfloat16().requires_grad_() for _ in range(2))
+    grad = torch.randn(300, 768, generator=gen).bfloat16()
+    g = gate.float()
+    by_autograd = torch.autograd.grad((g / (1.0 + torch.exp(-g)) * up.float()).bfloat16(), (gate, up), grad)
+    d_gate, d_up = torch.autograd.grad(silu_mul(gate, up), (gate, up), grad)
+    assert torch.equal(d_up, by_autograd[1])
+    torch.testing.assert_close(d_gate, by_autograd[0], rtol=8e-3, atol=1e-5)

@@ -64,14 +64,22 @@ struct Strided {
 // Where a GEMM's result goes: fp32 accumulators `acc` ([batch, M, N], contiguous); with `total` (the same
 // layout), each task adds its block into it once the block is complete (a K chunk's GEMM joining the sum of the
 // chunks before it); with `rounded`, the task then rounds its block of the sum (or of acc) to bf16 or fp16.
+// With `transposed`, the GEMM computed C^T: each task writes its block of it, transposed, into `rounded` (the
+// result C, in its dtype, fp32 included).
+struct Output;
+void store_transposed(const Output& o, int64_t bi, int64_t M, int64_t N, int64_t m_lo, int64_t m_hi, int64_t n0,
+                      int64_t nc);
+
 struct Output {
   float* acc;
   float* total = nullptr;
   void* rounded = nullptr;
   at::ScalarType dtype = at::kFloat;
   bool avx512 = false;
+  bool transposed = false;
 
   void finish(int64_t bi, int64_t M, int64_t N, int64_t m_lo, int64_t m_hi, int64_t n0, int64_t nc) const {
+    if (transposed) return store_transposed(*this, bi, M, N, m_lo, m_hi, n0, nc);
     if (total == nullptr && rounded == nullptr) return;
     for (int64_t r = m_lo; r < m_hi; ++r) {
       const int64_t at = bi * M * N + r * N + n0;
@@ -793,16 +801,39 @@ void gemm_amx_ct(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int
           if (rows == BLOCK && cols == BLOCK) {
             for (int64_t rb = 0; rb < BLOCK; rb += 16)
               for (int64_t qb = 0; qb < BLOCK; qb += 16) transpose16(ct.data() + qb * BLOCK + rb, BLOCK, c + rb * N + qb, N);
-            continue;
+          } else {
+            for (int64_t r = 0; r < rows; ++r)
+              for (int64_t q = 0; q < cols; ++q) c[r * N + q] = ct[q * BLOCK + r];
           }
-          for (int64_t r = 0; r < rows; ++r)
-            for (int64_t q = 0; q < cols; ++q) c[r * N + q] = ct[q * BLOCK + r];
         }
       }
       out.finish(bi, M, N, m_lo, m_hi, n0, nc);
     }
     amx_release();
   });
+}
+
+// Rows [m_lo, m_hi) x columns [n0, n0 + nc) of C^T (acc, [M, N]) into C (o.rounded, [N, M], in o.dtype): 16 x 16
+// blocks transposed in registers, then each row of C rounded (or copied) as a task's block of C would be.
+void store_transposed(const Output& o, int64_t bi, int64_t M, int64_t N, int64_t m_lo, int64_t m_hi, int64_t n0,
+                      int64_t nc) {
+  float block[16 * 16];
+  for (int64_t m = m_lo; m < m_hi; m += 16)
+    for (int64_t n = n0; n < n0 + nc; n += 16) {
+      const int64_t rows = std::min<int64_t>(16, m_hi - m), cols = std::min<int64_t>(16, n0 + nc - n);
+      const float* src = o.acc + bi * M * N + m * N + n;
+      if (rows == 16 && cols == 16) transpose16(src, N, block, 16);
+      else
+        for (int64_t j = 0; j < cols; ++j)
+          for (int64_t i = 0; i < rows; ++i) block[j * 16 + i] = src[i * N + j];
+      for (int64_t j = 0; j < cols; ++j) {
+        const int64_t at = bi * M * N + (n + j) * M + m;
+        if (o.dtype == at::kFloat) std::copy(block + j * 16, block + j * 16 + rows, static_cast<float*>(o.rounded) + at);
+        else if (o.dtype == at::kBFloat16) round_bf16(block + j * 16, static_cast<c10::BFloat16*>(o.rounded) + at, rows);
+        else
+          for (int64_t i = 0; i < rows; ++i) static_cast<c10::Half*>(o.rounded)[at + i] = c10::Half(block[j * 16 + i]);
+      }
+    }
 }
 
 // The C form: A's rows read in place when they hold whole 32-k tiles (k contiguous, K a multiple of 32), else
@@ -849,17 +880,17 @@ void gemm_amx_c(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int6
             float* c = c_base + m0 * N + n0 + j;
             if (rows == BLOCK && cols == BLOCK) {
               micro_amx_c(tile_pairs, x, lda, wpack.data() + j, ldw, c, N, k0 == 0);
-              continue;
+            } else {  // a partial block runs on a staging block; its padding rows and columns are not kept
+              if (k0 > 0)
+                for (int64_t r = 0; r < rows; ++r) std::copy(c + r * N, c + r * N + cols, stage.data() + r * BLOCK);
+              micro_amx_c(tile_pairs, x, lda, wpack.data() + j, ldw, stage.data(), BLOCK, k0 == 0);
+              for (int64_t r = 0; r < rows; ++r)
+                std::copy(stage.data() + r * BLOCK, stage.data() + r * BLOCK + cols, c + r * N);
             }
-            // A partial block runs on a staging block; its padding rows and columns are not kept.
-            if (k0 > 0)
-              for (int64_t r = 0; r < rows; ++r) std::copy(c + r * N, c + r * N + cols, stage.data() + r * BLOCK);
-            micro_amx_c(tile_pairs, x, lda, wpack.data() + j, ldw, stage.data(), BLOCK, k0 == 0);
-            for (int64_t r = 0; r < rows; ++r) std::copy(stage.data() + r * BLOCK, stage.data() + r * BLOCK + cols, c + r * N);
           }
+          if (k0 + KC_AMX >= K) out.finish(bi, M, N, m0, m0 + rows, n0, nc);  // while the rows are in L1 or L2
         }
       }
-      out.finish(bi, M, N, m_lo, m_hi, n0, nc);
     }
     amx_release();
   });
@@ -986,6 +1017,17 @@ void run_into(at::Tensor out, Tier t, Strided sa, at::ScalarType ta, Strided sb,
     out.zero_();
     return;
   }
+  // Both operands with k strided (a transposed activation times rows of one: a weight gradient) on AMX, whose
+  // tiles want k contiguous in the A operand: that operand is packed by transposing it, and when B is the
+  // smaller, C^T = B^T A^T packs B instead and stores its blocks transposed (the same products, summed in the
+  // same order: the same bits). The lm_head's gradient, [V, T] x [T, H]: 17.9 -> 9 ms.
+  if (t == AMX_BF16 && sa.row == 1 && sa.col != 1 && sb.col == 1 && M > N) {
+    thread_local std::vector<float> kept;
+    at::Tensor own;
+    Output o{accumulators(kept, own, batch * M * N), nullptr, out.data_ptr(), out.scalar_type(), true, true};
+    run(t, {sb.data, sb.batch, sb.col, sb.row}, tb, {sa.data, sa.batch, sa.col, sa.row}, ta, batch, N, M, K, o);
+    return;
+  }
   const Result result(out.data_ptr(), out.scalar_type(), t, batch * M * N);
   run(t, sa, ta, sb, tb, batch, M, N, K, result.output());
 }
@@ -1055,6 +1097,23 @@ const void* row_at(const at::Tensor& t, int64_t row) {
   return static_cast<const char*>(t.data_ptr()) + row * t.stride(0) * t.element_size();
 }
 
+// Runs group(e) for every group. Many groups, none with more than a thread's share of the `rows`: a thread
+// takes whole groups (each GEMM then runs on its thread alone, no synchronisation per group), else the groups
+// go one after the other on every thread. Which thread computes a group never changes a bit.
+template <typename F>
+void in_groups(int64_t groups, const std::vector<int64_t>& off, int64_t rows, const F& group) {
+  int64_t most = 0;
+  for (int64_t e = 0; e < groups; ++e) most = std::max(most, off[e + 1] - off[e]);
+  const int64_t threads = at::get_num_threads();
+  if (groups >= 4 * threads && most * threads <= rows) {
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t e = begin; e < end; ++e) group(e);
+    });
+  } else {
+    for (int64_t e = 0; e < groups; ++e) group(e);
+  }
+}
+
 // out[rows of group e] = a[rows of group e] @ b[e]: a [T, K], b [E, K, N] -> [T, N] in out_dtype. Per group
 // the very GEMM `mm` runs, rounded as `mm` rounds, so a row's bits are those of `mm` on its group's weight.
 at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets, int64_t tier,
@@ -1067,24 +1126,12 @@ at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor
               b.size(0) + 1, " offsets");
   const int64_t K = a.size(1), N = b.size(2), groups = b.size(0);
   at::Tensor out = at::empty({a.size(0), N}, a.options().dtype(out_dtype));
-  int64_t most = 0;
-  for (int64_t e = 0; e < groups; ++e) most = std::max(most, off[e + 1] - off[e]);
   auto group = [&](int64_t e) {
     const int64_t M = off[e + 1] - off[e];
     run_into(out.narrow(0, off[e], M), static_cast<Tier>(tier), {row_at(a, off[e]), 0, a.stride(0), a.stride(1)},
              a.scalar_type(), {row_at(b, e), 0, b.stride(1), b.stride(2)}, b.scalar_type(), 1, M, N, K);
   };
-  // Many groups, none with more than a thread's share of the rows: a thread takes whole groups (each GEMM
-  // then runs on its thread alone), else the groups go one after the other on every thread. Which thread
-  // computes a group never changes a bit.
-  const int64_t threads = at::get_num_threads();
-  if (groups >= 4 * threads && most * threads <= a.size(0)) {
-    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t e = begin; e < end; ++e) group(e);
-    });
-  } else {
-    for (int64_t e = 0; e < groups; ++e) group(e);
-  }
+  in_groups(groups, off, a.size(0), group);
   return out;
 }
 
@@ -1099,11 +1146,11 @@ at::Tensor grouped_mm_tn(const at::Tensor& x, const at::Tensor& y, const at::Ten
   const std::vector<int64_t> off = group_offsets(offsets, x.size(0));
   const int64_t groups = static_cast<int64_t>(off.size()) - 1, P = x.size(1), Q = y.size(1);
   at::Tensor out = at::empty({groups, P, Q}, x.options().dtype(out_dtype));
-  for (int64_t e = 0; e < groups; ++e) {
-    // x's rows of the group, transposed
+  auto group = [&](int64_t e) {  // x's rows of the group, transposed
     run_into(out[e], static_cast<Tier>(tier), {row_at(x, off[e]), 0, x.stride(1), x.stride(0)}, x.scalar_type(),
              {row_at(y, off[e]), 0, y.stride(0), y.stride(1)}, y.scalar_type(), 1, P, Q, off[e + 1] - off[e]);
-  }
+  };
+  in_groups(groups, off, x.size(0), group);
   return out;
 }
 
