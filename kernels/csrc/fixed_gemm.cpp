@@ -294,7 +294,10 @@ struct Plan {
     n_step = ((N + even_blocks - 1) / even_blocks + 63) / 64 * 64;
     n_blocks = (N + n_step - 1) / n_step;
     const int64_t units = (M + m_unit - 1) / m_unit;
-    const int64_t want = std::max<int64_t>(1, (2 * at::get_num_threads() + batch * n_blocks - 1) / (batch * n_blocks));
+    // Inside a parallel region (a thread's whole groups) the tasks run on this thread alone: M is not cut,
+    // which would pack each B block once per M range.
+    const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+    const int64_t want = std::max<int64_t>(1, (2 * threads + batch * n_blocks - 1) / (batch * n_blocks));
     const int64_t ranges = std::min(want, units);
     m_step = (units + ranges - 1) / ranges * m_unit;
     m_tasks = (M + m_step - 1) / m_step;
