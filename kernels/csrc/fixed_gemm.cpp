@@ -1100,20 +1100,30 @@ const void* row_at(const at::Tensor& t, int64_t row) {
   return static_cast<const char*>(t.data_ptr()) + row * t.stride(0) * t.element_size();
 }
 
-// Runs group(e) for every group. Many groups, none with more than a thread's share of the `rows`: a thread
-// takes whole groups (each GEMM then runs on its thread alone, no synchronisation per group), else the groups
+// Runs group(e) for every group; those with no rows first, on this thread (nothing, or a zero fill). Many
+// groups with rows, none with more than a thread's share of the rows: a thread takes whole groups (each GEMM
+// then runs on its thread alone, no synchronisation per group), the groups with rows dealt out evenly (a decode
+// step's 8 experts of 64: 4 and 4, not as they fall in the first and second half of the 64); else the groups
 // go one after the other on every thread. Which thread computes a group never changes a bit.
 template <typename F>
 void in_groups(int64_t groups, const std::vector<int64_t>& off, int64_t rows, const F& group) {
+  std::vector<int64_t> busy;
   int64_t most = 0;
-  for (int64_t e = 0; e < groups; ++e) most = std::max(most, off[e + 1] - off[e]);
-  const int64_t threads = at::get_num_threads();
-  if (groups >= 4 * threads && most * threads <= rows) {
-    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t e = begin; e < end; ++e) group(e);
+  for (int64_t e = 0; e < groups; ++e) {
+    if (off[e + 1] == off[e]) {
+      group(e);
+      continue;
+    }
+    busy.push_back(e);
+    most = std::max(most, off[e + 1] - off[e]);
+  }
+  const int64_t count = static_cast<int64_t>(busy.size()), threads = at::get_num_threads();
+  if (count >= 4 * threads && most * threads <= rows) {
+    at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) group(busy[i]);
     });
   } else {
-    for (int64_t e = 0; e < groups; ++e) group(e);
+    for (int64_t e : busy) group(e);
   }
 }
 
