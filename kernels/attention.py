@@ -85,6 +85,9 @@ def _online_softmax(q, q_pos, k, v, slots, block_ids, block, additive_mask, key_
     # their state bit-for-bit unchanged, so skipping it is exact. Rows stay in position order, so
     # the rows a block still needs are a suffix; the GEMMs' bits do not depend on how many there are.
     done_m, done_l, done_acc = [], [], []
+    # Without autograd (inference, BlockAttention's forward) the scores are overwritten in place: the same
+    # ops, so the same bits, without a new [rows, block] buffer per step.
+    inplace = not torch.is_grad_enabled()
     first = 0
     spare = q.shape[2] - 1  # rows that may be dropped (decode has none: skip the count)
     for j in block_ids:
@@ -98,12 +101,12 @@ def _online_softmax(q, q_pos, k, v, slots, block_ids, block, additive_mask, key_
         kb = k[:, block_slots]  # [Hkv, S, block, d], the model dtype: the GEMM widens it exactly
         vb = v[:, block_slots]
         s = matmul(q[:, :, first:], kb.transpose(-1, -2))  # [Hkv, S, rows, block]
-        s = _masked_scores(s, q_pos[:, first:], slice(j * block, (j + 1) * block), key_start, additive_mask)
+        s = _masked_scores(s, q_pos[:, first:], slice(j * block, (j + 1) * block), key_start, additive_mask, inplace)
         m_new = torch.maximum(m, s.amax(-1)).detach()  # a shift, not a function of the scores
         # exp(-inf - m_ref) is exactly 0, so selected-out scores contribute nothing; m_ref keeps
         # rows that have seen no valid key yet (split-KV partitions) from computing -inf - -inf.
         m_ref = torch.where(m_new == -math.inf, 0.0, m_new)
-        p = torch.exp(s - m_ref[..., None])
+        p = s.sub_(m_ref[..., None]).exp_() if inplace else torch.exp(s - m_ref[..., None])
         alpha = torch.exp(m - m_ref)
         l = l * alpha + p.sum(-1)
         if p_dtype is not None:
@@ -155,7 +158,7 @@ class BlockAttention(torch.autograd.Function):
             block_slots = slots[:, cols]
             kb = k[:, block_slots].float()
             vb = v[:, block_slots].float()
-            s = _masked_scores(qr @ kb.transpose(-1, -2), q_pos[:, first:], cols, key_start, ctx.additive_mask)
+            s = _masked_scores(qr @ kb.transpose(-1, -2), q_pos[:, first:], cols, key_start, ctx.additive_mask, True)
             p = torch.exp(s - lse[..., first:, None])
             dv_pos[:, :, cols] = p.transpose(-1, -2) @ do
             ds = p * (do @ vb.transpose(-1, -2) - delta[..., first:, None])
@@ -167,15 +170,16 @@ class BlockAttention(torch.autograd.Function):
         return dq, None, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def _masked_scores(s, q_pos, cols: slice, key_start, additive_mask):
-    """Scores of keys at positions `cols` with causal (and key_start) masking applied, as the forward does."""
+def _masked_scores(s, q_pos, cols: slice, key_start, additive_mask, inplace):
+    """Scores of keys at positions `cols` with causal (and key_start) masking applied, as the forward does
+    (`inplace`: into s)."""
     keys = torch.arange(cols.start, cols.stop)
     valid = keys <= q_pos[:, :, None]  # [S, rows, block]
     if key_start is not None:
         valid = valid & (keys >= key_start[:, None, None])
     if additive_mask:
-        return s + (~valid) * ADDITIVE_MASK
-    return s.masked_fill(~valid, -math.inf)
+        return s.add_((~valid) * ADDITIVE_MASK) if inplace else s + (~valid) * ADDITIVE_MASK
+    return s.masked_fill_(~valid, -math.inf) if inplace else s.masked_fill(~valid, -math.inf)
 
 
 # --------------------------------------------------------------------------- the three paths
