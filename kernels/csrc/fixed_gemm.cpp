@@ -89,16 +89,22 @@ struct Output {
         for (int64_t q = 0; q < nc; ++q) t[q] = t[q] + sum[q];
         sum = t;
       }
-      if (rounded == nullptr) continue;
-      if (dtype == at::kBFloat16) {
-        auto* dst = static_cast<c10::BFloat16*>(rounded) + at;
-        if (avx512) round_bf16(sum, dst, nc);
-        else
-          for (int64_t q = 0; q < nc; ++q) dst[q] = to_bf16(sum[q]);
-      } else {
-        auto* dst = static_cast<c10::Half*>(rounded) + at;
-        for (int64_t q = 0; q < nc; ++q) dst[q] = c10::Half(sum[q]);
-      }
+      if (rounded != nullptr) write(sum, at, nc);
+    }
+  }
+
+  // n fp32 values into `rounded` from element `at` on, in its dtype: copied, or rounded once.
+  void write(const float* src, int64_t at, int64_t n) const {
+    if (dtype == at::kFloat) {
+      std::copy(src, src + n, static_cast<float*>(rounded) + at);
+    } else if (dtype == at::kBFloat16) {
+      auto* dst = static_cast<c10::BFloat16*>(rounded) + at;
+      if (avx512) round_bf16(src, dst, n);
+      else
+        for (int64_t q = 0; q < n; ++q) dst[q] = to_bf16(src[q]);
+    } else {
+      auto* dst = static_cast<c10::Half*>(rounded) + at;
+      for (int64_t q = 0; q < n; ++q) dst[q] = c10::Half(src[q]);
     }
   }
 };
@@ -829,13 +835,7 @@ void store_transposed(const Output& o, int64_t bi, int64_t M, int64_t N, int64_t
       else
         for (int64_t j = 0; j < cols; ++j)
           for (int64_t i = 0; i < rows; ++i) block[j * 16 + i] = src[i * N + j];
-      for (int64_t j = 0; j < cols; ++j) {
-        const int64_t at = bi * M * N + (n + j) * M + m;
-        if (o.dtype == at::kFloat) std::copy(block + j * 16, block + j * 16 + rows, static_cast<float*>(o.rounded) + at);
-        else if (o.dtype == at::kBFloat16) round_bf16(block + j * 16, static_cast<c10::BFloat16*>(o.rounded) + at, rows);
-        else
-          for (int64_t i = 0; i < rows; ++i) static_cast<c10::Half*>(o.rounded)[at + i] = c10::Half(block[j * 16 + i]);
-      }
+      for (int64_t j = 0; j < cols; ++j) o.write(block + j * 16, bi * M * N + (n + j) * M + m, rows);
     }
 }
 
