@@ -18,7 +18,7 @@ from logdiff.kernels.linear import native_gemm_dtype, plain_linear
 from logdiff.kernels.logsoftmax import fused_token_logprobs
 from logdiff.kernels.moe import grouped_experts
 from logdiff.kernels.norm import rms_norm
-from logdiff.kernels.rope import rope
+from logdiff.kernels.rope import rope_in_torch
 from logdiff.kernelset import KernelSet
 
 _SPLIT_KV = Alignments(order=False)
@@ -84,7 +84,7 @@ def baseline_kernels() -> KernelSet:
         linear=plain_linear,
         rms_norm=rms_norm,
         act=fused_silu_mul,
-        rope=rope,
+        rope=rope_in_torch,
         train_attention=sdpa_train_attention,
         rollout_attention=baseline_rollout_attention,
         route=fused_route,

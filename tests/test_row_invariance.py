@@ -1,15 +1,18 @@
 """The reductions outside the GEMM, as properties over Qwen3's shapes: a row's bits do not depend on how
 many rows share the call or on the thread count (RMSNorm over every Qwen3 hidden size, the log-softmax
-over Qwen3's vocabulary, SiLU x up over every intermediate size). The GEMM's own property is
-tests/test_gemm.py's."""
+over Qwen3's vocabulary, SiLU x up over every intermediate size), and the one-pass C++ kernels beside the
+GEMM (SiLU x up's exp, the rotary embedding). The GEMM's own property is tests/test_gemm.py's."""
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from logdiff.kernels.activation import silu_mul
+from logdiff.kernels.gemm import extension
 from logdiff.kernels.logsoftmax import token_logprobs
 from logdiff.kernels.norm import rms_norm
+from logdiff.kernels.rope import RotaryTable, rope, rope_in_torch
 
 HIDDEN_SIZES = [1024, 2048, 2560, 4096, 5120]  # Qwen3 0.6B, 1.7B and 30B-A3B, 4B, 8B and 235B-A22B, 14B and 32B
 VOCAB = 151936
@@ -72,13 +75,54 @@ def test_silu_mul_row_does_not_depend_on_the_rows_beside_it(width, m, threads, d
 
 
 def test_silu_mul_backward_is_the_derivative_of_its_forward():
-    """The hand-written backward: d up exactly what autograd through the forward's ops gives, d gate within
-    an ulp of it (torch's silu_backward evaluates the same derivative in another order)."""
+    """The hand-written backward: d up is the gradient times the very silu the forward multiplied by, d gate
+    within an ulp of autograd through torch's ops (torch's silu_backward evaluates the same derivative in
+    another order)."""
     gen = torch.Generator().manual_seed(4)
     gate, up = (torch.randn(300, 768, generator=gen).mul(4).bfloat16().requires_grad_() for _ in range(2))
     grad = torch.randn(300, 768, generator=gen).bfloat16()
+    silu = extension().silu(gate.detach())
+    assert torch.equal(silu_mul(gate, up), (silu * up.float()).bfloat16())
     g = gate.float()
     by_autograd = torch.autograd.grad((g / (1.0 + torch.exp(-g)) * up.float()).bfloat16(), (gate, up), grad)
     d_gate, d_up = torch.autograd.grad(silu_mul(gate, up), (gate, up), grad)
-    assert torch.equal(d_up, by_autograd[1])
+    assert torch.equal(d_up, (grad.float() * silu).bfloat16())
     torch.testing.assert_close(d_gate, by_autograd[0], rtol=8e-3, atol=1e-5)
+
+
+def test_silu_muls_exp_is_within_two_ulp_of_the_true_exp():
+    """The C++ exp the activation is built from, against exp in fp64 at 2M points from underflow to
+    overflow, and its edges exactly."""
+    x = torch.linspace(-105, 90, 2_000_001, dtype=torch.float64).float()
+    ours, true = extension().exp(x).double(), torch.exp(x.double())
+    rounded = true.float()
+    normal = torch.isfinite(rounded) & (rounded.abs() >= torch.finfo(torch.float32).tiny)
+    ulp = (torch.nextafter(rounded, torch.tensor(float("inf"))) - rounded).double()
+    worst = ((ours - true).abs() / ulp)[normal].max().item()
+    assert worst <= 2, f"exp is {worst:.2f} ulp off"
+    subnormal = (rounded.abs() < torch.finfo(torch.float32).tiny)
+    assert ((ours - true).abs()[subnormal] <= 2 ** -149).all(), "exp is more than one subnormal step off"
+    edges = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 88.72283935546875, 88.72283172607422, -104.0])
+    assert extension().exp(edges).tolist() == [1.0, 1.0, float("inf"), 0.0, float("inf"),
+                                                torch.exp(edges[5].double()).float().item(), 0.0]
+    assert extension().exp(torch.tensor([float("nan")])).isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 1, 64), (37, 8, 128), (300, 16, 128)])
+def test_the_one_pass_rope_is_the_torch_rope_bit_for_bit(dtype, tokens, heads, head_dim):
+    """The C++ rotation makes the same two fp32 products and one sum per element as the torch ops, vector body
+    and tail alike, on a contiguous x and on a head slice of a fused projection; its backward is the rotation's
+    transpose (autograd through the torch ops, to an ulp of the fp32 sum's order)."""
+    gen = torch.Generator().manual_seed(tokens + heads)
+    table = RotaryTable(head_dim, 1e6, 4096)
+    cos, sin = table.at(torch.randint(0, 4096, (tokens,), generator=gen))
+    fused = torch.randn(tokens, 2 * heads, head_dim, generator=gen).to(dtype)
+    view = torch.int32 if dtype == torch.float32 else torch.int16
+    for x in (fused[:, :heads].contiguous(), fused[:, heads:]):
+        assert torch.equal(rope(x, cos, sin).view(view), rope_in_torch(x, cos, sin).view(view))
+    x = fused[:, :heads].contiguous().requires_grad_()
+    g = torch.randn(tokens, heads, head_dim, generator=gen).to(dtype)
+    ours = torch.autograd.grad(rope(x, cos, sin), x, g)[0]
+    theirs = torch.autograd.grad(rope_in_torch(x, cos, sin), x, g)[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-2 if dtype != torch.float32 else 1e-6, atol=1e-6)

@@ -43,6 +43,7 @@ namespace {
 
 using logdiff::round_bf16;
 using logdiff::to_bf16;
+using logdiff::widen;
 
 enum Tier : int64_t { PORTABLE = 0, AVX2 = 1, AVX512 = 2, AVX512_BF16 = 3, AMX_BF16 = 4 };
 
@@ -51,10 +52,6 @@ enum Tier : int64_t { PORTABLE = 0, AVX2 = 1, AVX512 = 2, AVX512_BF16 = 3, AMX_B
 constexpr int64_t KC = 256;
 constexpr int64_t NC = 256;
 constexpr int64_t MC = 96;
-
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float widen(c10::Half x) { return static_cast<float>(x); }
 
 struct Strided {
   const void* data;
@@ -581,9 +578,9 @@ __attribute__((target("avx512f,avx512bw"))) void pack_b_words(const bf16* b, int
 // from one K block (KC) to the next.
 void gemm_dpbf16(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_t K, const Output& out) {
   constexpr int64_t width = 64;
-  const Plan plan(batch, M, N, MR);
   // B's rows interleaved in the micro-kernel while a task makes one pass over them (decode), packed otherwise.
   const bool b_rows = bm.col == 1 && K % 2 == 0;
+  const Plan plan(batch, M, N, MR);
   // A in place, or packed once: rows of K rounded up to even, the pad a zero the pair's partner multiplies.
   const bool a_in_place = a.col == 1 && K % 2 == 0;
   const int64_t lda = a_in_place ? a.row : K + K % 2, a_batch = a_in_place ? a.batch : M * lda;
@@ -607,7 +604,10 @@ void gemm_dpbf16(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int
       float* c_base = out.acc + bi * M * N;
       const int64_t n0 = plan.n0(task), nc = plan.nc(task, N);
       const int64_t m_lo = plan.m_lo(task), m_hi = plan.m_hi(task, M);
-      const bool in_place = b_rows && m_hi - m_lo <= MR;
+      // In place for one row only: from two rows on, packing (one pass over B) and reading the pack from cache
+      // beats interleaving B's rows in every micro call (K-major N 3072 x K 1024, M 6: 25 -> 45 GB/s; N 151936,
+      // M 4: 4.5 -> 15 GB/s).
+      const bool in_place = b_rows && m_hi - m_lo == 1;
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0), pairs = (kc + 1) / 2;
         const bf16* bk = b_base + k0 * bm.row + n0 * bm.col;
@@ -1019,12 +1019,14 @@ void run(Tier t, Strided sa, at::ScalarType ta, Strided sb, at::ScalarType tb, i
   }
 }
 
-// `out` ([batch, M, N] contiguous, in its own dtype) = a @ b on tier t; zero where K is 0.
-void run_into(at::Tensor out, Tier t, Strided sa, at::ScalarType ta, Strided sb, at::ScalarType tb, int64_t batch,
-              int64_t M, int64_t N, int64_t K) {
-  if (out.numel() == 0) return;
+// `out` ([batch, M, N] contiguous, in `dtype`) = a @ b on tier t; zero where K is 0. A raw pointer, not a tensor:
+// a grouped call runs this for each of its groups, and a tensor view per group (narrow, select) cost a decode
+// step's 64-expert call more than its 8 active experts' GEMMs.
+void run_into(void* out, at::ScalarType dtype, Tier t, Strided sa, at::ScalarType ta, Strided sb, at::ScalarType tb,
+              int64_t batch, int64_t M, int64_t N, int64_t K) {
+  if (batch * M * N == 0) return;
   if (K == 0) {
-    out.zero_();
+    std::memset(out, 0, batch * M * N * at::elementSize(dtype));  // +0 is all zero bits in every dtype
     return;
   }
   // Both operands with k strided (a transposed activation times rows of one: a weight gradient) on AMX, whose
@@ -1034,11 +1036,11 @@ void run_into(at::Tensor out, Tier t, Strided sa, at::ScalarType ta, Strided sb,
   if (t == AMX_BF16 && sa.row == 1 && sa.col != 1 && sb.col == 1 && M > N) {
     thread_local std::vector<float> kept;
     at::Tensor own;
-    Output o{accumulators(kept, own, batch * M * N), nullptr, out.data_ptr(), out.scalar_type(), true, true};
+    Output o{accumulators(kept, own, batch * M * N), nullptr, out, dtype, true, true};
     run(t, {sb.data, sb.batch, sb.col, sb.row}, tb, {sa.data, sa.batch, sa.col, sa.row}, ta, batch, N, M, K, o);
     return;
   }
-  const Result result(out.data_ptr(), out.scalar_type(), t, batch * M * N);
+  const Result result(out, dtype, t, batch * M * N);
   run(t, sa, ta, sb, tb, batch, M, N, K, result.output());
 }
 
@@ -1053,7 +1055,7 @@ at::Tensor mm(const at::Tensor& a, const at::Tensor& b, int64_t tier, at::Scalar
   const int64_t batch = batched ? a.size(0) : 1, M = a.size(-2), K = a.size(-1), N = b.size(-1);
   at::Tensor out = batched ? at::empty({batch, M, N}, a.options().dtype(out_dtype))
                            : at::empty({M, N}, a.options().dtype(out_dtype));
-  run_into(out, static_cast<Tier>(tier), {a.data_ptr(), batched ? a.stride(0) : 0, a.stride(-2), a.stride(-1)},
+  run_into(out.data_ptr(), out_dtype, static_cast<Tier>(tier), {a.data_ptr(), batched ? a.stride(0) : 0, a.stride(-2), a.stride(-1)},
            a.scalar_type(), {b.data_ptr(), batched ? b.stride(0) : 0, b.stride(-2), b.stride(-1)}, b.scalar_type(),
            batch, M, N, K);
   return out;
@@ -1103,8 +1105,8 @@ std::vector<int64_t> group_offsets(const at::Tensor& offsets, int64_t rows) {
   return v;
 }
 
-const void* row_at(const at::Tensor& t, int64_t row) {
-  return static_cast<const char*>(t.data_ptr()) + row * t.stride(0) * t.element_size();
+void* row_at(const at::Tensor& t, int64_t row) {
+  return static_cast<char*>(t.data_ptr()) + row * t.stride(0) * t.element_size();
 }
 
 // Runs group(e) for every group; those with no rows first, on this thread (nothing, or a zero fill). Many
@@ -1148,7 +1150,7 @@ at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor
   at::Tensor out = at::empty({a.size(0), N}, a.options().dtype(out_dtype));
   auto group = [&](int64_t e) {
     const int64_t M = off[e + 1] - off[e];
-    run_into(out.narrow(0, off[e], M), static_cast<Tier>(tier), {row_at(a, off[e]), 0, a.stride(0), a.stride(1)},
+    run_into(row_at(out, off[e]), out_dtype, static_cast<Tier>(tier), {row_at(a, off[e]), 0, a.stride(0), a.stride(1)},
              a.scalar_type(), {row_at(b, e), 0, b.stride(1), b.stride(2)}, b.scalar_type(), 1, M, N, K);
   };
   in_groups(groups, off, a.size(0), group);
@@ -1167,8 +1169,9 @@ at::Tensor grouped_mm_tn(const at::Tensor& x, const at::Tensor& y, const at::Ten
   const int64_t groups = static_cast<int64_t>(off.size()) - 1, P = x.size(1), Q = y.size(1);
   at::Tensor out = at::empty({groups, P, Q}, x.options().dtype(out_dtype));
   auto group = [&](int64_t e) {  // x's rows of the group, transposed
-    run_into(out[e], static_cast<Tier>(tier), {row_at(x, off[e]), 0, x.stride(1), x.stride(0)}, x.scalar_type(),
-             {row_at(y, off[e]), 0, y.stride(0), y.stride(1)}, y.scalar_type(), 1, P, Q, off[e + 1] - off[e]);
+    run_into(row_at(out, e), out_dtype, static_cast<Tier>(tier), {row_at(x, off[e]), 0, x.stride(1), x.stride(0)},
+             x.scalar_type(), {row_at(y, off[e]), 0, y.stride(0), y.stride(1)}, y.scalar_type(), 1, P, Q,
+             off[e + 1] - off[e]);
   };
   in_groups(groups, off, x.size(0), group);
   return out;

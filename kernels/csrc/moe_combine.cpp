@@ -17,13 +17,9 @@
 
 namespace {
 
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float widen(c10::Half x) { return static_cast<float>(x); }
-
-inline void narrow(float x, float* out) { *out = x; }
-inline void narrow(float x, c10::BFloat16* out) { *out = logdiff::to_bf16(x); }
-inline void narrow(float x, c10::Half* out) { *out = c10::Half(x); }
+using logdiff::has_avx512;
+using logdiff::narrow;
+using logdiff::widen;
 
 // Tokens [begin, end): e [T, k, H] (slot stride es, token stride et, H contiguous), w [T, k] contiguous fp32.
 template <typename T>
@@ -84,11 +80,6 @@ __attribute__((target("avx512f,avx512bw"))) void combine_backward_tokens_avx512(
     const T* g, const T* e, int64_t et, int64_t es, const float* w, int64_t k, int64_t H, T* d_e, float* d_w,
     int64_t begin, int64_t end) {
   combine_backward_tokens(g, e, et, es, w, k, H, d_e, d_w, begin, end);
-}
-
-bool has_avx512() {
-  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  return avx512;
 }
 
 template <typename T>

@@ -1,7 +1,9 @@
-// Rounding an fp32 result to bf16 as torch's `.to` does, for logdiff's C++ kernels (one rounding each).
+// Widening operands to fp32 and rounding an fp32 result back as torch's `.to` does, for logdiff's C++ kernels
+// (one rounding each).
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <cmath>
@@ -30,6 +32,19 @@ __attribute__((target("avx512f,avx512bw"))) inline void round_bf16(const float* 
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(r));
   }
   for (; i < n; ++i) dst[i] = to_bf16(src[i]);
+}
+
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float widen(c10::Half x) { return static_cast<float>(x); }
+
+inline void narrow(float x, float* out) { *out = x; }
+inline void narrow(float x, c10::BFloat16* out) { *out = to_bf16(x); }
+inline void narrow(float x, c10::Half* out) { *out = c10::Half(x); }
+
+inline bool has_avx512() {
+  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  return avx512;
 }
 
 }  // namespace logdiff
