@@ -68,7 +68,7 @@ def _attend(q, q_pos, k, v, slots, *, block, splits=1, additive_mask=False, key_
     ]
     if len(parts) == 1:
         m, l, acc = parts[0]
-        return acc / l[..., None]
+        return acc.div_(l[..., None]) if not torch.is_grad_enabled() else acc / l[..., None]
     m_all = torch.stack([m for m, _, _ in parts]).amax(0)
     m_ref = torch.where(m_all == -math.inf, 0.0, m_all)
     scale = [torch.exp(m - m_ref) for m, _, _ in parts]
@@ -80,7 +80,10 @@ def _attend(q, q_pos, k, v, slots, *, block, splits=1, additive_mask=False, key_
 def _online_softmax(q, q_pos, k, v, slots, block_ids, block, additive_mask, key_start, p_dtype):
     m = q.new_full(q.shape[:-1], -math.inf)
     l = q.new_zeros(q.shape[:-1])
-    acc = torch.zeros_like(q)
+    # acc is all +0 until the first block, whose update 0 * alpha + P.V is P.V + 0 (the same bits: IEEE's
+    # x + 0 is x, and turns -0 into +0 as 0 + -0 does): None until then, so that no zero buffer is filled,
+    # scaled and added.
+    acc = None
     # Rows whose position precedes a block take no part in it: a fully masked block would leave
     # their state bit-for-bit unchanged, so skipping it is exact. Rows stay in position order, so
     # the rows a block still needs are a suffix; the GEMMs' bits do not depend on how many there are.
@@ -94,8 +97,10 @@ def _online_softmax(q, q_pos, k, v, slots, block_ids, block, additive_mask, key_
         needed = min(int((q_pos < j * block).sum(1).min()), spare) if spare > first else first
         if needed > first:
             cut = needed - first
-            done_m.append(m[..., :cut]), done_l.append(l[..., :cut]), done_acc.append(acc[..., :cut, :])
-            m, l, acc = m[..., cut:], l[..., cut:], acc[..., cut:, :]
+            done_m.append(m[..., :cut]), done_l.append(l[..., :cut])
+            done_acc.append(q.new_zeros(*q.shape[:2], cut, q.shape[-1]) if acc is None else acc[..., :cut, :])
+            m, l = m[..., cut:], l[..., cut:]
+            acc = None if acc is None else acc[..., cut:, :]
             first = needed
         block_slots = slots[:, j * block : (j + 1) * block]
         kb = k[:, block_slots]  # [Hkv, S, block, d], the model dtype: the GEMM widens it exactly
@@ -111,8 +116,14 @@ def _online_softmax(q, q_pos, k, v, slots, block_ids, block, additive_mask, key_
         l = l * alpha + p.sum(-1)
         if p_dtype is not None:
             p = p.to(p_dtype)
-        acc = acc * alpha[..., None] + matmul(p, vb)
+        pv = matmul(p, vb)
+        if acc is None:
+            acc = pv.add_(0.0) if inplace else pv + 0.0
+        else:
+            acc = acc.mul_(alpha[..., None]).add_(pv) if inplace else acc * alpha[..., None] + pv
         m = m_new
+    if acc is None:
+        acc = torch.zeros_like(q[..., first:, :])
     if done_m:
         m = torch.cat(done_m + [m], dim=-1)
         l = torch.cat(done_l + [l], dim=-1)
@@ -270,7 +281,9 @@ def _query_rows(q, index, q_pos, num_kv_heads):
     group = heads // num_kv_heads
     padded = F.pad(q, (0, 0, 0, 0, 0, 1))[index]  # [S, T, Hq, d]
     rows = padded.view(num_seqs, width, num_kv_heads, group, head_dim).permute(2, 0, 1, 3, 4)
-    rows = rows.reshape(num_kv_heads, num_seqs, width * group, head_dim).float() * head_dim**-0.5
+    # widened and laid out in one copy, then scaled in place: the bits of `.float() * scale`
+    rows = rows.to(torch.float32, memory_format=torch.contiguous_format, copy=True).mul_(head_dim**-0.5)
+    rows = rows.view(num_kv_heads, num_seqs, width * group, head_dim)
     return rows, q_pos.repeat_interleave(group, dim=1)
 
 
