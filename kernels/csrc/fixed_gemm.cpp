@@ -292,7 +292,9 @@ void micro(Tier tier, int rows, int64_t kc, const float* ap, const TB* b, int64_
 struct Plan {
   int64_t n_step, n_blocks, m_step, m_tasks, tasks;
 
-  Plan(int64_t batch, int64_t M, int64_t N, int64_t m_unit) {
+  // max_rows (if not 0): M ranges of at most about this many rows, for a task that keeps its block of C in a
+  // buffer of its own.
+  Plan(int64_t batch, int64_t M, int64_t N, int64_t m_unit, int64_t max_rows = 0) {
     const int64_t even_blocks = (N + NC - 1) / NC;
     n_step = ((N + even_blocks - 1) / even_blocks + 63) / 64 * 64;
     n_blocks = (N + n_step - 1) / n_step;
@@ -301,7 +303,7 @@ struct Plan {
     // which would pack each B block once per M range.
     const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
     const int64_t want = std::max<int64_t>(1, (2 * threads + batch * n_blocks - 1) / (batch * n_blocks));
-    const int64_t ranges = std::min(want, units);
+    const int64_t ranges = std::min(units, std::max(want, max_rows ? (M + max_rows - 1) / max_rows : 1));
     m_step = (units + ranges - 1) / ranges * m_unit;
     m_tasks = (M + m_step - 1) / m_step;
     tasks = batch * n_blocks * m_tasks;
@@ -575,12 +577,15 @@ __attribute__((target("avx512f,avx512bw"))) void pack_b_words(const bf16* b, int
 }
 
 // out[b] = a[b] @ bm[b], bf16 x bf16 on AVX512-BF16, each MR x 64 micro-block resuming its fp32 accumulators
-// from one K block (KC) to the next.
+// from one K block (KC) to the next: in out.acc, or (out.acc null: a result rounded to bf16 or fp16) in a buffer
+// of the task's own, rounded into the result when the block is complete. The lm_head's weight gradient
+// ([151936, T] x [T, 1024]) had a 622 MB fp32 buffer of its own to fault in and round from: 520 -> ? ms.
 void gemm_dpbf16(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_t K, const Output& out) {
-  constexpr int64_t width = 64;
+  constexpr int64_t width = 64, LOCAL_ROWS = 1024;
   // B's rows interleaved in the micro-kernel while a task makes one pass over them (decode), packed otherwise.
   const bool b_rows = bm.col == 1 && K % 2 == 0;
-  const Plan plan(batch, M, N, MR);
+  const bool local = out.acc == nullptr;
+  const Plan plan(batch, M, N, MR, local ? LOCAL_ROWS : 0);
   // A in place, or packed once: rows of K rounded up to even, the pad a zero the pair's partner multiplies.
   const bool a_in_place = a.col == 1 && K % 2 == 0;
   const int64_t lda = a_in_place ? a.row : K + K % 2, a_batch = a_in_place ? a.batch : M * lda;
@@ -593,7 +598,7 @@ void gemm_dpbf16(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int
   }
   at::parallel_for(0, plan.tasks, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<uint32_t> bpack;
-    thread_local std::vector<float> tile;
+    thread_local std::vector<float> tile, block;
     const int64_t ldb = (NC + width - 1) / width * width;
     bpack.resize(KC / 2 * ldb);
     tile.resize(MR * width);
@@ -601,9 +606,13 @@ void gemm_dpbf16(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int
       const int64_t bi = plan.batch_item(task);
       const bf16* a_base = a_data + bi * a_batch;
       const bf16* b_base = static_cast<const bf16*>(bm.data) + bi * bm.batch;
-      float* c_base = out.acc + bi * M * N;
       const int64_t n0 = plan.n0(task), nc = plan.nc(task, N);
       const int64_t m_lo = plan.m_lo(task), m_hi = plan.m_hi(task, M);
+      // Row m of the task's C at c_rows + (m - m_lo) * ldc; the own buffer's rows are whole panels wide, so that
+      // a partial panel needs no staging tile (its columns past nc are zeros times the pack's zero columns).
+      const int64_t ldc = local ? (nc + width - 1) / width * width : N;
+      float* c_rows = local ? scratch(block, (m_hi - m_lo) * ldc) : out.acc + bi * M * N + m_lo * N + n0;
+      const bool staged = !local;
       // In place for one row only: from two rows on, packing (one pass over B) and reading the pack from cache
       // beats interleaving B's rows in every micro call (K-major N 3072 x K 1024, M 6: 25 -> 45 GB/s; N 151936,
       // M 4: 4.5 -> 15 GB/s).
@@ -615,23 +624,27 @@ void gemm_dpbf16(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int
         for (int64_t m0 = m_lo; m0 < m_hi; m0 += MR) {
           const int rows = static_cast<int>(std::min<int64_t>(MR, m_hi - m0));
           const bf16* ap = a_base + m0 * lda + k0;
-          float* c = c_base + m0 * N + n0;
+          float* c = c_rows + (m0 - m_lo) * ldc;
           for (int64_t j = 0; j < nc; j += width) {
             const int64_t cols = std::min(width, nc - j);
-            float* cj = cols == width ? c + j : tile.data();
-            const int64_t ldc = cols == width ? N : width;
-            if (cols < width && k0 > 0)  // a partial panel runs on a staging tile; its zero columns are not kept
+            const bool stage = staged && cols < width;  // a partial panel of out.acc: its zero columns are not kept
+            float* cj = stage ? tile.data() : c + j;
+            const int64_t ld = stage ? width : ldc;
+            if (stage && k0 > 0)
               for (int r = 0; r < rows; ++r)
-                for (int64_t q = 0; q < cols; ++q) tile[r * width + q] = c[r * N + j + q];
-            if (in_place) micro_dpbf16_rows<B_ROWS>(rows, pairs, ap, lda, bk + j, bm.row, cols, cj, ldc, k0 == 0);
-            else micro_dpbf16_rows<B_WORDS>(rows, pairs, ap, lda, bpack.data() + j, ldb, cols, cj, ldc, k0 == 0);
-            if (cols < width)
+                for (int64_t q = 0; q < cols; ++q) tile[r * width + q] = c[r * ldc + j + q];
+            if (in_place) micro_dpbf16_rows<B_ROWS>(rows, pairs, ap, lda, bk + j, bm.row, cols, cj, ld, k0 == 0);
+            else micro_dpbf16_rows<B_WORDS>(rows, pairs, ap, lda, bpack.data() + j, ldb, cols, cj, ld, k0 == 0);
+            if (stage)
               for (int r = 0; r < rows; ++r)
-                for (int64_t q = 0; q < cols; ++q) c[r * N + j + q] = tile[r * width + q];
+                for (int64_t q = 0; q < cols; ++q) c[r * ldc + j + q] = tile[r * width + q];
           }
         }
       }
-      out.finish(bi, M, N, m_lo, m_hi, n0, nc);
+      if (local)
+        for (int64_t r = m_lo; r < m_hi; ++r) out.write(c_rows + (r - m_lo) * ldc, bi * M * N + r * N + n0, nc);
+      else
+        out.finish(bi, M, N, m_lo, m_hi, n0, nc);
     }
   });
 }
@@ -982,7 +995,9 @@ float* accumulators(std::vector<float>& kept, at::Tensor& own, int64_t n) {
 // in fp32 `accumulators` and rounded into it.
 class Result {
  public:
-  Result(void* result, at::ScalarType dtype, Tier tier, int64_t n) {
+  // blockwise: the tier's tasks may keep their blocks of a rounded result's accumulators in buffers of their own
+  // (AVX512-BF16, when no chunk sum reads them).
+  Result(void* result, at::ScalarType dtype, Tier tier, int64_t n, bool blockwise) {
     TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
                 "logdiff mm: the result must be float32, bfloat16 or float16, got ", dtype);
     out_.dtype = dtype;
@@ -991,9 +1006,10 @@ class Result {
       out_.acc = static_cast<float*>(result);
       return;
     }
+    out_.rounded = result;
+    if (blockwise && tier == AVX512_BF16) return;
     thread_local std::vector<float> kept;
     out_.acc = accumulators(kept, own_, n);
-    out_.rounded = result;
   }
   const Output& output() const { return out_; }
 
@@ -1040,7 +1056,7 @@ void run_into(void* out, at::ScalarType dtype, Tier t, Strided sa, at::ScalarTyp
     run(t, {sb.data, sb.batch, sb.col, sb.row}, tb, {sa.data, sa.batch, sa.col, sa.row}, ta, batch, N, M, K, o);
     return;
   }
-  const Result result(out, dtype, t, batch * M * N);
+  const Result result(out, dtype, t, batch * M * N, true);
   run(t, sa, ta, sb, tb, batch, M, N, K, result.output());
 }
 
@@ -1075,7 +1091,7 @@ at::Tensor mm_chunked(const at::Tensor& a, const at::Tensor& b, int64_t tier, at
   at::Tensor out = at::empty({M, N}, a.options().dtype(out_dtype));
   if (out.numel() == 0) return out;
   if (width == 0) return out.zero_();
-  const Result result(out.data_ptr(), out_dtype, static_cast<Tier>(tier), M * N);
+  const Result result(out.data_ptr(), out_dtype, static_cast<Tier>(tier), M * N, false);
   thread_local std::vector<float> kept;
   at::Tensor own;
   float* stage = accumulators(kept, own, M * N);
