@@ -58,12 +58,13 @@ X_ELEMENTS = 2**24
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:
-    return x.view(torch.int32)
+    return x.view(torch.int32 if x.element_size() == 4 else torch.int16)
 
 
 def first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
     row, col = (bits(a) != bits(b)).nonzero()[0].tolist()
-    return f"row {row} col {col}: {bits(a)[row, col].item() & 0xFFFFFFFF:#010x} vs {bits(b)[row, col].item() & 0xFFFFFFFF:#010x}"
+    mask, width = (1 << 8 * a.element_size()) - 1, 2 + 2 * a.element_size()
+    return f"row {row} col {col}: {bits(a)[row, col].item() & mask:#0{width}x} vs {bits(b)[row, col].item() & mask:#0{width}x}"
 
 
 @pytest.mark.parametrize("tier", gemm.tiers_here())
@@ -128,15 +129,18 @@ def test_it_is_the_fp32_gemm_of_the_stored_values(tier, dtype, k_major, m, k, n)
 def test_the_operands_layout_changes_no_bit(tier, dtype, m, k, n):
     """x as rows or as the transpose of [K, M]; w as stored or K-major: a tier reads each in place or packs it
     (a bf16 pair tier interleaves two rows of a K-major weight in registers, transposes words of a stored
-    one), and none of that may reach a bit. Odd K pads a pair with zero."""
+    one), and none of that may reach a bit. Odd K pads a pair with zero. Both layouts strided along k take the
+    C^T form on the bf16 tiers; the result fp32 or rounded in the operands' dtype."""
     gen = torch.Generator().manual_seed(m + k + n)
     x, w = torch.randn(m, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype)
-    outs = {(x_layout, w_layout): gemm.mm(xl, wl.mT, tier)
-            for x_layout, xl in (("rows", x), ("columns", x.mT.contiguous().mT))
-            for w_layout, wl in (("stored", w), ("K-major", w.mT.contiguous().mT))}
-    first = outs["rows", "stored"]
-    for layout, out in outs.items():
-        assert torch.equal(bits(out), bits(first)), f"{tier} {layout} vs rows/stored: {first_difference(out, first)}"
+    for out_dtype in dict.fromkeys((torch.float32, dtype)):
+        outs = {(x_layout, w_layout): gemm.mm(xl, wl.mT, tier, out_dtype)
+                for x_layout, xl in (("rows", x), ("columns", x.mT.contiguous().mT))
+                for w_layout, wl in (("stored", w), ("K-major", w.mT.contiguous().mT))}
+        first = outs["rows", "stored"]
+        for layout, out in outs.items():
+            assert torch.equal(bits(out), bits(first)), \
+                f"{tier} {layout} vs rows/stored, {out_dtype}: {first_difference(out, first)}"
 
 
 @pytest.mark.parametrize("tier,dtype", [(t, d) for t in gemm.tiers_here() for d in dtypes_of(t) if d != torch.float32])

@@ -64,8 +64,8 @@ struct Strided {
 // With `transposed`, the GEMM computed C^T: each task writes its block of it, transposed, into `rounded` (the
 // result C, in its dtype, fp32 included).
 struct Output;
-void store_transposed(const Output& o, int64_t bi, int64_t M, int64_t N, int64_t m_lo, int64_t m_hi, int64_t n0,
-                      int64_t nc);
+void store_transposed(const Output& o, const float* block, int64_t ld, int64_t bi, int64_t M, int64_t N, int64_t m_lo,
+                      int64_t m_hi, int64_t n0, int64_t nc);
 
 struct Output {
   float* acc;
@@ -76,7 +76,7 @@ struct Output {
   bool transposed = false;
 
   void finish(int64_t bi, int64_t M, int64_t N, int64_t m_lo, int64_t m_hi, int64_t n0, int64_t nc) const {
-    if (transposed) return store_transposed(*this, bi, M, N, m_lo, m_hi, n0, nc);
+    if (transposed) return store_transposed(*this, acc + bi * M * N + m_lo * N + n0, N, bi, M, N, m_lo, m_hi, n0, nc);
     if (total == nullptr && rounded == nullptr) return;
     for (int64_t r = m_lo; r < m_hi; ++r) {
       const int64_t at = bi * M * N + r * N + n0;
@@ -579,7 +579,7 @@ __attribute__((target("avx512f,avx512bw"))) void pack_b_words(const bf16* b, int
 // out[b] = a[b] @ bm[b], bf16 x bf16 on AVX512-BF16, each MR x 64 micro-block resuming its fp32 accumulators
 // from one K block (KC) to the next: in out.acc, or (out.acc null: a result rounded to bf16 or fp16) in a buffer
 // of the task's own, rounded into the result when the block is complete. The lm_head's weight gradient
-// ([151936, T] x [T, 1024]) had a 622 MB fp32 buffer of its own to fault in and round from: 520 -> ? ms.
+// ([151936, 256] x [256, 1024]) had a 622 MB fp32 buffer of its own to fault in and round from: 679 -> 300 ms.
 void gemm_dpbf16(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int64_t K, const Output& out) {
   constexpr int64_t width = 64, LOCAL_ROWS = 1024;
   // B's rows interleaved in the micro-kernel while a task makes one pass over them (decode), packed otherwise.
@@ -641,7 +641,9 @@ void gemm_dpbf16(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int
           }
         }
       }
-      if (local)
+      if (local && out.transposed)
+        store_transposed(out, c_rows, ldc, bi, M, N, m_lo, m_hi, n0, nc);
+      else if (local)
         for (int64_t r = m_lo; r < m_hi; ++r) out.write(c_rows + (r - m_lo) * ldc, bi * M * N + r * N + n0, nc);
       else
         out.finish(bi, M, N, m_lo, m_hi, n0, nc);
@@ -835,20 +837,21 @@ void gemm_amx_ct(Strided a, Strided bm, int64_t batch, int64_t M, int64_t N, int
   });
 }
 
-// Rows [m_lo, m_hi) x columns [n0, n0 + nc) of C^T (acc, [M, N]) into C (o.rounded, [N, M], in o.dtype): 16 x 16
-// blocks transposed in registers, then each row of C rounded (or copied) as a task's block of C would be.
-void store_transposed(const Output& o, int64_t bi, int64_t M, int64_t N, int64_t m_lo, int64_t m_hi, int64_t n0,
-                      int64_t nc) {
-  float block[16 * 16];
+// Rows [m_lo, m_hi) x columns [n0, n0 + nc) of C^T (item bi of [batch, M, N]; row m_lo's first column at `block`,
+// rows ld apart) into C (o.rounded, [N, M], in o.dtype): 16 x 16 blocks transposed in registers, then each row
+// of C rounded (or copied) as a task's block of C would be.
+void store_transposed(const Output& o, const float* block, int64_t ld, int64_t bi, int64_t M, int64_t N, int64_t m_lo,
+                      int64_t m_hi, int64_t n0, int64_t nc) {
+  float tile[16 * 16];
   for (int64_t m = m_lo; m < m_hi; m += 16)
     for (int64_t n = n0; n < n0 + nc; n += 16) {
       const int64_t rows = std::min<int64_t>(16, m_hi - m), cols = std::min<int64_t>(16, n0 + nc - n);
-      const float* src = o.acc + bi * M * N + m * N + n;
-      if (rows == 16 && cols == 16) transpose16(src, N, block, 16);
+      const float* src = block + (m - m_lo) * ld + (n - n0);
+      if (rows == 16 && cols == 16) transpose16(src, ld, tile, 16);
       else
         for (int64_t j = 0; j < cols; ++j)
-          for (int64_t i = 0; i < rows; ++i) block[j * 16 + i] = src[i * N + j];
-      for (int64_t j = 0; j < cols; ++j) o.write(block + j * 16, bi * M * N + (n + j) * M + m, rows);
+          for (int64_t i = 0; i < rows; ++i) tile[j * 16 + i] = src[i * ld + j];
+      for (int64_t j = 0; j < cols; ++j) o.write(tile + j * 16, bi * M * N + (n + j) * M + m, rows);
     }
 }
 
@@ -1045,14 +1048,17 @@ void run_into(void* out, at::ScalarType dtype, Tier t, Strided sa, at::ScalarTyp
     std::memset(out, 0, batch * M * N * at::elementSize(dtype));  // +0 is all zero bits in every dtype
     return;
   }
-  // Both operands with k strided (a transposed activation times rows of one: a weight gradient) on AMX, whose
-  // tiles want k contiguous in the A operand: that operand is packed by transposing it, and when B is the
+  // Both operands with k strided (a transposed activation times rows of one: a weight gradient) on the bf16 tiers,
+  // which want k contiguous in the A operand: that operand is packed by transposing it, and when B is the
   // smaller, C^T = B^T A^T packs B instead and stores its blocks transposed (the same products, summed in the
-  // same order: the same bits). The lm_head's gradient, [V, T] x [T, H]: 17.9 -> 9 ms.
-  if (t == AMX_BF16 && sa.row == 1 && sa.col != 1 && sb.col == 1 && M > N) {
+  // same order: the same bits). The lm_head's gradient, [V, T] x [T, H]: AMX 17.9 -> 9 ms (V 16384, T 256,
+  // H 512), AVX512-BF16 300 -> 200 ms (V 151936, H 1024; torch 184 ms).
+  if ((t == AMX_BF16 || t == AVX512_BF16) && sa.row == 1 && sa.col != 1 && sb.col == 1 && M > N) {
     thread_local std::vector<float> kept;
     at::Tensor own;
-    Output o{accumulators(kept, own, batch * M * N), nullptr, out, dtype, true, true};
+    // AVX512-BF16's tasks keep their blocks of C^T in buffers of their own (acc null)
+    float* acc = t == AMX_BF16 ? accumulators(kept, own, batch * M * N) : nullptr;
+    Output o{acc, nullptr, out, dtype, true, true};
     run(t, {sb.data, sb.batch, sb.col, sb.row}, tb, {sa.data, sa.batch, sa.col, sa.row}, ta, batch, N, M, K, o);
     return;
   }
