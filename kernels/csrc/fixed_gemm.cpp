@@ -541,9 +541,17 @@ void micro_dpbf16_rows(int rows, int64_t pairs, const bf16* a, int64_t lda, cons
 __attribute__((target("avx512f,avx512bw"))) void pack_b_words(const bf16* b, int64_t rs, int64_t cs, int64_t kc,
                                                                int64_t nc, int64_t pairs, int64_t ldb, uint32_t* out) {
   if (cs == 1 && kc % 2 == 0) {
+    // Rows far apart (a K-major vocabulary projection: 300 KB) are a new page and stream each: the hardware
+    // prefetcher does not follow them, so the rows AHEAD pairs on are asked for while this pair is packed.
+    constexpr int64_t AHEAD = 8;
     for (int64_t p = 0; p < pairs; ++p) {
       const bf16* even = b + 2 * p * rs;
       uint32_t* row = out + p * ldb;
+      if (p + AHEAD < pairs)
+        for (int64_t n = 0; n < nc; n += 32) {
+          _mm_prefetch(reinterpret_cast<const char*>(even + 2 * AHEAD * rs + n), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(even + (2 * AHEAD + 1) * rs + n), _MM_HINT_T0);
+        }
       for (int64_t n = 0; n < ldb; n += 32) {
         const int64_t left = std::clamp<int64_t>(nc - n, 0, 32);
         const __mmask32 mask = left == 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1;
