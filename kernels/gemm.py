@@ -14,7 +14,7 @@ Reports name the tiers that ran (`tiers()`).
 
 The extension is compiled on first use with the machine's C++ compiler (torch.utils.cpp_extension,
 ninja) into a cache folder, `~/.cache/logdiff/gemm-<source hash>` (LOGDIFF_CACHE moves it), and loaded
-from there afterwards: measured 16-30 s to compile on our machines, 0.02 s to load.
+from there afterwards: measured 16-36 s to compile on our machines, 0.02 s to load.
 """
 
 from __future__ import annotations
