@@ -35,7 +35,7 @@ def _rope(x, cos, sin):
 
 
 def rope_in_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`rope` in torch ops: the reference for its test."""
+    """`rope` in torch ops: what the baseline runs, and the bits `rope` is held to (tests/test_row_invariance.py)."""
     x32 = x.float()
     half = x32.shape[-1] // 2
     rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
