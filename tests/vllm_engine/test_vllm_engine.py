@@ -96,8 +96,10 @@ def _one_error_line(out) -> str:
 
 def test_openai_stack_scores_the_server(server, tmp_path):
     path = tmp_path / "run.json"
+    # A verdict either way (vLLM's fp32 kernels are not the reference trainer's: 14 of 32 bitwise on an AVX2 EPYC,
+    # exit 1); 2 would mean the run could not score the server at all.
     assert main(["run", "--stack", "openai", "--server-url", server["url"], "--batch-size", "4", "--prompt-lens", "3,130",
-                 "--max-new-tokens", "8", "--temperature", "0.8", "--json", str(path)]) == 0
+                 "--max-new-tokens", "8", "--temperature", "0.8", "--json", str(path)]) in (0, 1)
     entry = json.loads(path.read_text())["stacks"][0]
     assert entry["name"] == "openai" and entry["tokens"] == 32
     assert all(f["holds"] for f in entry["fidelity"]), entry["fidelity"]  # the server runs the suite's model
