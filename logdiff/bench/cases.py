@@ -6,8 +6,8 @@ through the stack API only, so every stack (built-in or third-party) is timed do
   trainer      forward + backward of the trainer over whole sequences; tokens/s counts every token
   prefill      rollout of one token per request; tokens/s counts prompt tokens
   decode-bB    rollout at batch B: time of an N-token rollout minus the time of a 1-token rollout of
-               the same requests (the prefill, the faster of one run before and one after), so tokens/s
-               counts the B x (N - 1) decode tokens
+               the same requests (the prefill, the fastest of one run before, one after and up to three
+               more while the two fastest disagree), so tokens/s counts the B x (N - 1) decode tokens
   rl-step      rollout, then the trainer's recompute of the rollout's log-probs; tokens/s counts
                response tokens
 
@@ -60,6 +60,7 @@ class Case:
 
 
 DECODE_BATCHES = (1, 8, 32, 64)
+PREFILL_RETRIES = 3
 
 CASES: dict[str, Case] = {
     c.name: c
@@ -98,15 +99,23 @@ def measure(stack: Stack, case: Case, workload: Workload) -> Measurement:
     if case.kind == "decode":
         # The prefill is timed before and after the full rollout and the faster taken: one slow prefill
         # (another job, a page fault) would otherwise be subtracted whole and could leave a negative time.
-        before, _ = _time_rollout(stack, _with_new_tokens(requests, 1))
+        # While the two fastest prefills disagree by more than the decode time, it is timed again, at most
+        # PREFILL_RETRIES times: one stall (an engine in another process still busy, seen at 1 s against
+        # 0.03 s) then costs a retry, not the case.
+        prefill = _with_new_tokens(requests, 1)
+        prefills = [_time_rollout(stack, prefill)[0]]
         full, outputs = _time_rollout(stack, requests)
-        after, _ = _time_rollout(stack, _with_new_tokens(requests, 1))
-        decode = full - min(before, after)
-        if abs(before - after) > decode:
-            raise Unsupported(f"decode time not resolved: the prefill took {before:.3g} s and {after:.3g} s, a spread "
-                              f"larger than the {decode:.3g} s left for the decode (a prefill this slow and uneven "
-                              "leaves the decode inside its noise)")
-        return Measurement(decode, case.counted_tokens, outputs)
+        prefills.append(_time_rollout(stack, prefill)[0])
+        while True:
+            fastest, second = sorted(prefills)[:2]
+            decode = full - fastest
+            if second - fastest <= decode:
+                return Measurement(decode, case.counted_tokens, outputs)
+            if len(prefills) == 2 + PREFILL_RETRIES:
+                raise Unsupported(f"decode time not resolved: the prefill took {', '.join(f'{t:.3g}' for t in prefills)} s, "
+                                  f"its two fastest further apart than the {decode:.3g} s left for the decode (a "
+                                  "prefill this slow and uneven leaves the decode inside its noise)")
+            prefills.append(_time_rollout(stack, prefill)[0])
     start = time.perf_counter()
     rollout = stack.rollout(requests)
     scored = TrainerInputs.after(requests, rollout)
