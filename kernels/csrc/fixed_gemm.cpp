@@ -302,23 +302,23 @@ constexpr int64_t STREAM_AHEAD = 4;  // rows of B prefetched ahead: the next row
 
 // Rows k..k+KU-1 of B (KU <= 4) into the accumulators: each vector of columns is loaded once, takes its KU
 // products in ascending k and is stored (a quarter of the accumulator traffic of one row at a time).
-#define LOGDIFF_STREAM_ROWS_OF_B(VEC, W, SET1, LOAD, FMA, LOADU, STOREU)                             \
-  UNROLLED for (int r = 0; r < ROWS; ++r)                                                                  \
-    UNROLLED for (int u = 0; u < KU; ++u) av[r][u] = SET1(widen(a[r * ars + (k + u) * acs]));              \
+#define LOGDIFF_STREAM_ROWS_OF_B(VEC, W, SET1, LOAD, FMA, LOADU, STOREU)                          \
+  UNROLLED for (int r = 0; r < ROWS; ++r)                                                         \
+    UNROLLED for (int u = 0; u < KU; ++u) av[r][u] = SET1(widen(a[r * ars + (k + u) * acs]));     \
   for (int64_t j = 0; j < whole; j += W) {                                                        \
     if (j * int64_t(sizeof(TB)) % 64 == 0)                                                        \
-      UNROLLED for (int u = 0; u < KU; ++u) _mm_prefetch(ahead[u] + j * sizeof(TB), _MM_HINT_T0);         \
+      UNROLLED for (int u = 0; u < KU; ++u) _mm_prefetch(ahead[u] + j * sizeof(TB), _MM_HINT_T0); \
     VEC bv[KU];                                                                                   \
-    UNROLLED for (int u = 0; u < KU; ++u) bv[u] = LOAD(b + (k + u) * ldb + j);                             \
-    UNROLLED for (int r = 0; r < ROWS; ++r) {                                                              \
+    UNROLLED for (int u = 0; u < KU; ++u) bv[u] = LOAD(b + (k + u) * ldb + j);                    \
+    UNROLLED for (int r = 0; r < ROWS; ++r) {                                                     \
       float* cr = c + r * ldc + j;                                                                \
       VEC acc = LOADU(cr);                                                                        \
-      UNROLLED for (int u = 0; u < KU; ++u) acc = FMA(av[r][u], bv[u], acc);                               \
+      UNROLLED for (int u = 0; u < KU; ++u) acc = FMA(av[r][u], bv[u], acc);                      \
       STOREU(cr, acc);                                                                            \
     }                                                                                             \
   }                                                                                               \
-  UNROLLED for (int r = 0; r < ROWS; ++r)                                                                  \
-    UNROLLED for (int u = 0; u < KU; ++u) {                                                                \
+  UNROLLED for (int r = 0; r < ROWS; ++r)                                                         \
+    UNROLLED for (int u = 0; u < KU; ++u) {                                                       \
       const float ak = widen(a[r * ars + (k + u) * acs]);                                         \
       for (int64_t q = whole; q < nc; ++q)                                                        \
         c[r * ldc + q] = std::fma(ak, widen(b[(k + u) * ldb + q]), c[r * ldc + q]);               \
@@ -454,11 +454,11 @@ void gemm(Tier tier, Strided a, Strided bm, int64_t batch, int64_t M, int64_t N,
       float* c_base = out.acc + bi * M * N;
       const int64_t n0 = plan.n0(task), nc = plan.nc(task, N);
       const int64_t m_lo = plan.m_lo(task), m_hi = plan.m_hi(task, M);
-      // B is read in place when its columns are contiguous and whole panels and its rows lie within a page of
-      // each other; otherwise packed. A panel walking down rows a page or more apart (a K-major weight of N
-      // 16384) takes a TLB miss per k: M 64, K 512 bf16 on a Zen 3 core, 48 GFLOP/s in place vs 66 packed
-      // (N 384: 81 vs 72).
-      const bool in_place = bm.col == 1 && (tier == PORTABLE || (nc % width == 0 && bm.row * int64_t(sizeof(TB)) <= 4096));
+      // B is read in place when its columns are contiguous and whole panels and its rows at most 1 KB apart;
+      // otherwise packed. A panel walking down rows further apart reaches a new page every few k (every k at
+      // N 16384): bf16 on a Zen 3, M 64 K 512 N 16384 one core 48 GFLOP/s in place vs 66 packed, M 1024 K 1024
+      // N 2048 two cores 101 vs 139; N 384 (768 B apart), one core 81 vs 72.
+      const bool in_place = bm.col == 1 && (tier == PORTABLE || (nc % width == 0 && bm.row * int64_t(sizeof(TB)) <= 1024));
       const int64_t ldb_packed = (nc + width - 1) / width * width;
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
