@@ -124,13 +124,14 @@ def test_it_is_the_fp32_gemm_of_the_stored_values(tier, dtype, k_major, m, k, n)
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 2048, 200), (5, 512, 64), (13, 768, 130), (200, 96, 300), (7, 33, 65), (70, 200, 40),
-                                   (300, 64, 70)])
+                                   (300, 64, 70), (3, 35, 67)])
 @pytest.mark.parametrize("tier,dtype", [(t, d) for t in gemm.tiers_here() for d in dtypes_of(t)])
 def test_the_operands_layout_changes_no_bit(tier, dtype, m, k, n):
     """x as rows or as the transpose of [K, M]; w as stored or K-major: a tier reads each in place or packs it
     (a bf16 pair tier interleaves two rows of a K-major weight in registers, transposes words of a stored
     one), and none of that may reach a bit. Odd K pads a pair with zero. Both layouts strided along k take the
-    C^T form on the bf16 tiers; the result fp32 or rounded in the operands' dtype."""
+    C^T form on the bf16 tiers; the result fp32 or rounded in the operands' dtype. A few rows against a K-major
+    weight stream it on the FMA tiers (M 3: K 35 ends in 3 single rows of B, N 67 in 3 scalar columns)."""
     gen = torch.Generator().manual_seed(m + k + n)
     x, w = torch.randn(m, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype)
     for out_dtype in dict.fromkeys((torch.float32, dtype)):
