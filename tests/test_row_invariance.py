@@ -90,6 +90,23 @@ def test_silu_mul_backward_is_the_derivative_of_its_forward():
     torch.testing.assert_close(d_gate, by_autograd[0], rtol=8e-3, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_silu_mul_element_gets_the_same_bits_in_the_vector_body_and_the_scalar_tail(dtype):
+    """Laid out as one long row, the elements go through this CPU's vector loop (AVX-512 or AVX2); as a column,
+    each is a row of one, the scalar tail. Every element gets the same bits either way, specials included."""
+    gen = torch.Generator().manual_seed(9)
+    special = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 88.7, -88.7, 89.5, -103.9, -104.5, -200.0,
+               200.0, 1e-40, -1e-40, 1e-3, -3e4]
+    gate = torch.cat([torch.tensor(special), torch.randn(4000, generator=gen) * 12]).to(dtype)
+    up = torch.cat([torch.tensor(special[::-1]), torch.randn(4000, generator=gen)]).to(dtype)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    row = silu_mul(gate[None, :], up[None, :])[0]
+    column = silu_mul(gate[:, None], up[:, None])[:, 0]
+    assert torch.equal(row.view(bits), column.view(bits))
+    assert torch.equal(extension().silu(gate[None, :])[0].view(torch.int32),
+                       extension().silu(gate[:, None])[:, 0].view(torch.int32))
+
+
 def test_silu_muls_exp_is_within_two_ulp_of_the_true_exp():
     """The C++ exp the activation is built from, against exp in fp64 at 2M points from underflow to
     overflow, and its edges exactly."""

@@ -47,4 +47,9 @@ inline bool has_avx512() {
   return avx512;
 }
 
+inline bool has_avx2() {
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return avx2;
+}
+
 }  // namespace logdiff

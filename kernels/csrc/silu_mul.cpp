@@ -18,6 +18,7 @@
 
 namespace {
 
+using logdiff::has_avx2;
 using logdiff::has_avx512;
 using logdiff::narrow;
 using logdiff::widen;
@@ -70,6 +71,77 @@ __attribute__((always_inline)) inline void rows(const T* gate, int64_t gs, const
   }
 }
 
+// exp_ieee and silu_f32 eight at a time, by hand: GCC does not vectorise `rows` for AVX2 ("control flow in loop":
+// its clamps and NaN selects need AVX-512's masks), which left a [1024, 3072] bf16 call at 16 ms against torch's
+// 2.5 ms on an AVX2-only Zen 3. The same IEEE operations in the same order, lane by lane: the clamp as max then
+// min (a NaN, which takes -104 either way, is restored at the end), k / 2 truncated toward zero as C does.
+__attribute__((target("avx2"))) inline __m256 exp_avx2(__m256 x) {
+  const __m256 clamped = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.0f)), _mm256_set1_ps(89.0f));
+  const __m256 round = _mm256_set1_ps(12582912.0f);
+  const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(1.44269504088896341f)), round), round);
+  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(clamped, _mm256_mul_ps(n, _mm256_set1_ps(0.693145751953125f))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(1.42860682030941723e-6f)));
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
+  const __m256i k = _mm256_cvttps_epi32(n);
+  const __m256i half = _mm256_srai_epi32(_mm256_add_epi32(k, _mm256_srli_epi32(k, 31)), 1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 first = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+  const __m256 second = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(k, half), bias), 23));
+  const __m256 e = _mm256_mul_ps(_mm256_mul_ps(p, first), second);
+  return _mm256_blendv_ps(e, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+__attribute__((target("avx2"))) inline __m256 silu_avx2(__m256 g) {
+  const __m256 minus_g = _mm256_xor_ps(g, _mm256_set1_ps(-0.0f));
+  return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_avx2(minus_g)));
+}
+
+__attribute__((target("avx2,f16c"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,f16c"))) inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+__attribute__((target("avx2,f16c"))) inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+__attribute__((target("avx2"))) inline void store8(__m256 x, float* out) { _mm256_storeu_ps(out, x); }
+// to_bf16 eight at a time: to nearest even, any NaN as 0xffff.
+__attribute__((target("avx2"))) inline void store8(__m256 x, c10::BFloat16* out) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0xffff), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+}
+// fp16 through c10::Half's own rounding (its NaN is not F16C's).
+__attribute__((target("avx2"))) inline void store8(__m256 x, c10::Half* out) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, x);
+  for (int j = 0; j < 8; ++j) out[j] = c10::Half(lanes[j]);
+}
+
+template <typename T, typename O>
+__attribute__((target("avx2,f16c"))) void rows_avx2(const T* gate, int64_t gs, const T* up, int64_t us, O* out,
+                                                     int64_t cols, int64_t begin, int64_t end) {
+  const int64_t whole = cols / 8 * 8;
+  for (int64_t i = begin; i < end; ++i) {
+    const T* g = gate + i * gs;
+    O* o = out + i * cols;
+    for (int64_t j = 0; j < whole; j += 8) {
+      const __m256 s = silu_avx2(load8(g + j));
+      store8(up == nullptr ? s : _mm256_mul_ps(s, load8(up + i * us + j)), o + j);
+    }
+    for (int64_t j = whole; j < cols; ++j) {
+      const float s = silu_f32(widen(g[j]));
+      narrow(up == nullptr ? s : s * widen(up[i * us + j]), o + j);
+    }
+  }
+}
+
 // The same loop compiled for AVX-512 (the compiler vectorises it 16 wide; the bits are IEEE's either way).
 template <typename T, typename O>
 __attribute__((target("avx512f,avx512bw"))) void rows_avx512(const T* gate, int64_t gs, const T* up, int64_t us,
@@ -86,6 +158,7 @@ void run(const at::Tensor& gate, const at::Tensor* up, at::Tensor& out) {
   O* o = out.data_ptr<O>();
   at::parallel_for(0, n, std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)), [&](int64_t begin, int64_t end) {
     if (has_avx512()) rows_avx512(g, gate.stride(0), u, us, o, cols, begin, end);
+    else if (has_avx2()) rows_avx2(g, gate.stride(0), u, us, o, cols, begin, end);
     else rows(g, gate.stride(0), u, us, o, cols, begin, end);
   });
 }
