@@ -17,7 +17,7 @@ from logdiff.kernels.attention import Alignments, decode_attention
 from logdiff.kernels.linear import native_gemm_dtype, plain_linear
 from logdiff.kernels.logsoftmax import fused_token_logprobs
 from logdiff.kernels.moe import grouped_experts
-from logdiff.kernels.norm import rms_norm
+from logdiff.kernels.norm import rms_norm_in_torch
 from logdiff.kernels.rope import rope_in_torch
 from logdiff.kernelset import KernelSet
 
@@ -82,7 +82,7 @@ def baseline_kernels() -> KernelSet:
         name="baseline",
         inference_weight=_native_weight,
         linear=plain_linear,
-        rms_norm=rms_norm,
+        rms_norm=rms_norm_in_torch,
         act=fused_silu_mul,
         rope=rope_in_torch,
         train_attention=sdpa_train_attention,

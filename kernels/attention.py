@@ -92,7 +92,9 @@ def _online_softmax(q, q_pos, k, v, slots, block_ids, block, additive_mask, key_
     # ops, so the same bits, without a new [rows, block] buffer per step.
     inplace = not torch.is_grad_enabled()
     first = 0
-    spare = q.shape[2] - 1  # rows that may be dropped (decode has none: skip the count)
+    # Rows that may be dropped. A decode step's rows share their sequence's one position (q_pos expanded), which
+    # lies in the last block: none precedes a block, so the count is skipped.
+    spare = 0 if q_pos.stride(-1) == 0 else q.shape[2] - 1
     for j in block_ids:
         needed = min(int((q_pos < j * block).sum(1).min()), spare) if spare > first else first
         if needed > first:

@@ -33,7 +33,8 @@ from logdiff.errors import UserError
 
 CSRC = Path(__file__).parent / "csrc"
 # one extension, torch.ops.logdiff
-SOURCES = tuple(CSRC / name for name in ("fixed_gemm.cpp", "moe_combine.cpp", "silu_mul.cpp", "rope.cpp"))
+SOURCES = tuple(CSRC / name for name in ("fixed_gemm.cpp", "moe_combine.cpp", "expert_rows.cpp", "rms_norm.cpp",
+                                          "silu_mul.cpp", "rope.cpp"))
 FMA_TIERS = ("portable", "avx2", "avx512")
 BF16_TIERS = ("avx512-bf16", "amx-bf16")
 TIERS = FMA_TIERS + BF16_TIERS  # the C++ enum's order, slowest first

@@ -68,36 +68,27 @@ def grouped_experts(x, ids, gate_up, down, linear=fixed_linear, act=silu_mul, gr
     `linear` per expert)."""
     num_tokens, top_k = ids.shape
     num_experts = gate_up.shape[0]
-    flat = ids.flatten()
-    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order within an expert
-    counts = torch.bincount(flat, minlength=num_experts)
-    sizes = counts.tolist()
-    capacity = max(sizes)
+    counts = torch.bincount(ids.flatten(), minlength=num_experts)
+    capacity = int(counts.max())
     # Dense (decode: nearly every expert gets a few rows): one batched GEMM over all experts, each
     # padded to the largest; otherwise each expert's rows as they are, in one grouped call or one GEMM
     # per active expert. Only a matter of speed.
     batched = num_experts * capacity <= BATCHED_WASTE * num_tokens * top_k
-    starts = torch.arange(num_experts) * capacity if batched else torch.cumsum(counts, 0) - counts
-    expert_of = flat[order]
-    rank = torch.arange(flat.numel()) - (torch.cumsum(counts, 0) - counts)[expert_of]
-    dest = starts[expert_of] + rank  # row of each sorted (token, expert) pair in the buffer
-    total = num_experts * capacity if batched else num_tokens * top_k
-    source = torch.full((total,), num_tokens, dtype=torch.long).index_put_((dest,), order // top_k)
+    # The buffer's rows: expert after expert, each expert's (token, slot) pairs in order (csrc/expert_rows.cpp).
+    source, row_of_pair, offsets = extension().expert_rows(ids, num_experts, capacity if batched else 0)
     # An embedding gather: its backward sums a token's k rows in a fixed order (index backward does not).
     # Padding rows read the zero row.
     buffer = F.embedding(source, F.pad(x, (0, 0, 0, 1)))
     if batched:
-        gate, up = linear(buffer.view(num_experts, capacity, -1), gate_up).view(total, -1).chunk(2, dim=-1)
-        out = linear(act(gate, up).view(num_experts, capacity, -1), down).view(total, -1)
+        gate, up = linear(buffer.view(num_experts, capacity, -1), gate_up).view(len(source), -1).chunk(2, dim=-1)
+        out = linear(act(gate, up).view(num_experts, capacity, -1), down).view(len(source), -1)
+    elif grouped_linear is None:
+        sizes = counts.tolist()
+        gate, up = _loop_linear(linear, buffer, gate_up, sizes).chunk(2, dim=-1)
+        out = _loop_linear(linear, act(gate, up), down, sizes)
     else:
-        if grouped_linear is None:
-            gate, up = _loop_linear(linear, buffer, gate_up, sizes).chunk(2, dim=-1)
-            out = _loop_linear(linear, act(gate, up), down, sizes)
-        else:
-            offsets = F.pad(torch.cumsum(counts, 0), (1, 0))
-            gate, up = grouped_linear(buffer, gate_up, offsets).chunk(2, dim=-1)
-            out = grouped_linear(act(gate, up), down, offsets)
-    row_of_pair = torch.empty_like(dest).index_put_((order,), dest)  # pairs back in (token, rank) order
+        gate, up = grouped_linear(buffer, gate_up, offsets).chunk(2, dim=-1)
+        out = grouped_linear(act(gate, up), down, offsets)
     return F.embedding(row_of_pair, out).view(num_tokens, top_k, -1)
 
 

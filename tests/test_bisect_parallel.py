@@ -57,9 +57,9 @@ def test_an_expert_gemm_that_follows_the_rows_is_traced_to_the_rank_that_ran_the
     """An expert sees the same rows on any EP degree; what follows the degree is grouped_experts' choice of
     one batched GEMM over the experts a rank holds (rows: the largest expert's count) or one GEMM per
     expert (rows: its own count). reference-no-order's GEMM reduces a lone last row differently, so on
-    every CPU a rank that chooses otherwise than one process does changes some expert row (2 of 120
+    every CPU a rank that chooses otherwise than one process does changes some expert row (1 of 96
     log-probs differ here)."""
-    workload = ["--model", "qwen3-moe-tiny", "--batch-size", "5", "--prompt-lens", "3,8", "--max-new-tokens", "24"]
+    workload = ["--model", "qwen3-moe-tiny", "--batch-size", "4", "--prompt-lens", "3,8", "--max-new-tokens", "24"]
     out, b = _bisect(tmp_path, capsys, "--stack", "reference-no-order", *workload, "--ep", "2", "--path", "rollout")
     print(out)
     cause = _cause(b)

@@ -5,13 +5,14 @@ GEMM (SiLU x up's exp, the rotary embedding). The GEMM's own property is tests/t
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from logdiff.kernels.activation import silu_mul
 from logdiff.kernels.gemm import extension
 from logdiff.kernels.logsoftmax import token_logprobs
-from logdiff.kernels.norm import rms_norm
+from logdiff.kernels.norm import rms_norm, rms_norm_in_torch
 from logdiff.kernels.rope import RotaryTable, rope, rope_in_torch
 
 HIDDEN_SIZES = [1024, 2048, 2560, 4096, 5120]  # Qwen3 0.6B, 1.7B and 30B-A3B, 4B, 8B and 235B-A22B, 14B and 32B
@@ -42,6 +43,40 @@ def test_rms_norm_row_does_not_depend_on_the_rows_beside_it(hidden, m, threads, 
     together, alone = _rows_alone_and_together(lambda t: rms_norm(t, weight, 1e-6), x, rows, threads)
     assert torch.equal(together.view(torch.int16 if dtype != torch.float32 else torch.int32),
                        alone.view(torch.int16 if dtype != torch.float32 else torch.int32)), f"hidden {hidden} M {m}"
+
+
+@pytest.mark.parametrize("hidden", [1, 31, 64, 100, 128, 1024, 2056])
+def test_rms_norm_sums_squares_in_32_lanes_added_in_a_fixed_tree(hidden):
+    """The order the C++ docstring states, rebuilt in fp32 torch ops one addition at a time: lane j sums the
+    squares of h = j mod 32 in ascending h, the lanes are added j + 16 into j, then + 8, + 4, + 2, + 1; r is
+    1 / sqrt(sum / H + eps), y = x r rounded, out = w y rounded. The kernel gives these bits."""
+    gen = torch.Generator().manual_seed(hidden)
+    x = torch.randn(5, hidden, generator=gen).mul(3).bfloat16()
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).bfloat16()
+    squares = F.pad(x.float() ** 2, (0, -hidden % 32)).view(5, -1, 32)  # a padding square of +0 changes no sum
+    lanes = squares[:, 0]
+    for chunk in squares.unbind(1)[1:]:
+        lanes = lanes + chunk
+    for width in (16, 8, 4, 2, 1):
+        lanes = lanes[:, :width] + lanes[:, width:2 * width]
+    r = 1.0 / torch.sqrt(lanes[:, 0] / hidden + 1e-6)
+    expected = weight * (x.float() * r[:, None]).bfloat16()
+    assert torch.equal(rms_norm(x, weight, 1e-6).view(torch.int16), expected.view(torch.int16))
+
+
+def test_rms_norm_is_torchs_within_an_ulp_and_its_backward_autograds():
+    """Against torch's own RMSNorm (another summation order): within one bf16 rounding of it; the hand-written
+    backward within fp32 noise of autograd through torch's ops, run in fp32."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 1024, generator=gen).mul(2)
+    weight = 1 + 0.1 * torch.randn(1024, generator=gen)
+    torch.testing.assert_close(rms_norm(x.bfloat16(), weight.bfloat16(), 1e-6),
+                               rms_norm_in_torch(x.bfloat16(), weight.bfloat16(), 1e-6), rtol=8e-3, atol=0)
+    grad = torch.randn(64, 1024, generator=gen)
+    ours = torch.autograd.grad(rms_norm(x.requires_grad_(), weight.requires_grad_(), 1e-6), (x, weight), grad)
+    theirs = torch.autograd.grad(rms_norm_in_torch(x, weight, 1e-6), (x, weight), grad)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
