@@ -14,7 +14,7 @@ Reports name the tiers that ran (`tiers()`).
 
 The extension is compiled on first use with the machine's C++ compiler (torch.utils.cpp_extension,
 ninja) into a cache folder, `~/.cache/logdiff/gemm-<source hash>` (LOGDIFF_CACHE moves it), and loaded
-from there afterwards: measured 16-70 s to compile on our machines, 0.02 s to load.
+from there afterwards: measured 16-100 s to compile on our machines, 0.02 s to load.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _build_and_load(library: Path) -> None:
                         f"{' or '.join(missing)}; install a C++ compiler and ninja (e.g. apt-get install g++ ninja-build)")
     library.parent.mkdir(parents=True, exist_ok=True)
     build = Path(tempfile.mkdtemp(prefix=".build-", dir=library.parent))
-    print(f"logdiff: compiling the fixed-order GEMM into {library.parent} (once; up to about a minute)", flush=True)
+    print(f"logdiff: compiling the fixed-order GEMM into {library.parent} (once; up to about two minutes)", flush=True)
     try:
         cpp_extension.load(name="logdiff_gemm", sources=[str(path) for path in SOURCES], build_directory=str(build),
                            extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
