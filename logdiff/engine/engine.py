@@ -36,7 +36,9 @@ class RolloutEngine:
         self.prefill_chunk = prefill_chunk
         self.shuffle_pages = shuffle_pages
 
-    @torch.no_grad()
+    # inference_mode, not no_grad: no version counters or view tracking on the step's ~1500 small tensors
+    # (qwen3-moe-small bf16 decode-b1, 2 threads: 5.9 -> 5.5 ms per token, the same bits)
+    @torch.inference_mode()
     def generate(self, requests: list[Request], capture: Capture = None) -> list[RolloutOutput]:
         self._allocate(requests, capture)
         sched = Scheduler(requests)
@@ -52,7 +54,7 @@ class RolloutEngine:
         done = sorted(sched.done, key=lambda s: s.index)
         return [RolloutOutput(s.tokens, torch.cat(s.logprobs)) for s in done]
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def prompt_logprobs(self, sequences, score_from, temperatures, processing=None) -> list[torch.Tensor]:
         """log p(token i | tokens < i) for i >= score_from[s] from prefill alone, as vLLM's prompt_logprobs:
         each whole sequence goes through the rollout's prefill path (in chunks if asked) over the paged cache.
