@@ -68,3 +68,16 @@ def test_chunked_prefill_and_page_size_do_not_change_reference_bits():
     other = RolloutEngine(model, reference_kernels(), page_size=7, prefill_chunk=33, shuffle_pages=3).generate(reqs)
     for a, b in zip(base, other):
         assert a.tokens == b.tokens and torch.equal(a.logprobs, b.logprobs)
+
+
+def test_log_probs_come_back_as_ordinary_tensors():
+    """The engine computes under inference_mode; what it hands back can still be updated in place and saved
+    for backward, as an RL loss does with the rollout's log-probs."""
+    engine = RolloutEngine(ModelSpec("qwen3-dense-tiny").build(torch.float32), reference_kernels(), page_size=16)
+    rollout = engine.generate([Request((1, 2, 3), max_new_tokens=4)])[0].logprobs
+    scored = engine.prompt_logprobs([[1, 2, 3, 4]], [1], torch.zeros(1))[0]
+    for logprobs in (rollout, scored):
+        assert not logprobs.is_inference()
+        weight = torch.ones_like(logprobs, requires_grad=True)
+        (weight * logprobs).sum().backward()  # saves logprobs for backward
+        logprobs.add_(0.0)

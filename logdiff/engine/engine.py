@@ -36,10 +36,16 @@ class RolloutEngine:
         self.prefill_chunk = prefill_chunk
         self.shuffle_pages = shuffle_pages
 
-    # inference_mode, not no_grad: no version counters or view tracking on the step's ~1500 small tensors
-    # (qwen3-moe-small bf16 decode-b1, 2 threads: 5.9 -> 5.5 ms per token, the same bits)
-    @torch.inference_mode()
     def generate(self, requests: list[Request], capture: Capture = None) -> list[RolloutOutput]:
+        done = self._generate(requests, capture)
+        return [RolloutOutput(s.tokens, torch.cat(s.logprobs)) for s in done]  # outside: see _generate
+
+    # inference_mode, not no_grad: no version counters or view tracking on the step's ~1500 small tensors
+    # (qwen3-moe-small bf16 decode-b1, 2 threads: 5.9 -> 5.5 ms per token, the same bits). Its tensors may
+    # not be saved for backward or updated in place afterwards, so what a caller gets is concatenated
+    # outside it: ordinary tensors.
+    @torch.inference_mode()
+    def _generate(self, requests: list[Request], capture: Capture) -> list[Sequence]:
         self._allocate(requests, capture)
         sched = Scheduler(requests)
         while not sched.idle:
@@ -51,14 +57,17 @@ class RolloutEngine:
                 self._decode(decoding)
             for seq in sched.finish_step(joined):
                 self.blocks.release(seq.table)
-        done = sorted(sched.done, key=lambda s: s.index)
-        return [RolloutOutput(s.tokens, torch.cat(s.logprobs)) for s in done]
+        return sorted(sched.done, key=lambda s: s.index)
 
-    @torch.inference_mode()
     def prompt_logprobs(self, sequences, score_from, temperatures, processing=None) -> list[torch.Tensor]:
         """log p(token i | tokens < i) for i >= score_from[s] from prefill alone, as vLLM's prompt_logprobs:
         each whole sequence goes through the rollout's prefill path (in chunks if asked) over the paged cache.
         Temperature 0 scores at 1, as for a greedy rollout; `processing` as for the trainer."""
+        scored = self._prompt_logprobs(sequences, score_from, temperatures, processing)
+        return [torch.cat(pieces) if pieces else torch.empty(0) for pieces in scored]  # outside: see _generate
+
+    @torch.inference_mode()
+    def _prompt_logprobs(self, sequences, score_from, temperatures, processing) -> list[list[torch.Tensor]]:
         processing = processing or [Processing()] * len(sequences)
         requests = [Request(tuple(s), max_new_tokens=0, temperature=t, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
                             logprobs_mode=p.logprobs_mode) for s, t, p in zip(sequences, temperatures, processing)]
@@ -83,7 +92,7 @@ class RolloutEngine:
                 scored[s.index].append(piece)
         for s in seqs:
             self.blocks.release(s.table)
-        return [torch.cat(pieces) if pieces else torch.empty(0) for pieces in scored]
+        return scored
 
     def _allocate(self, requests: list[Request], capture: Capture) -> None:
         c = self.model.config
