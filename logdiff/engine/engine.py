@@ -43,7 +43,7 @@ class RolloutEngine:
     # inference_mode, not no_grad: no version counters or view tracking on the step's ~1500 small tensors
     # (qwen3-moe-small bf16 decode-b1, 2 threads: 5.9 -> 5.5 ms per token, the same bits). Its tensors may
     # not be saved for backward or updated in place afterwards, so what a caller gets is concatenated
-    # outside it: ordinary tensors.
+    # outside it: ordinary tensors. A capture hook, called inside, gets values to read (bisect compares them).
     @torch.inference_mode()
     def _generate(self, requests: list[Request], capture: Capture) -> list[Sequence]:
         self._allocate(requests, capture)
