@@ -34,6 +34,21 @@ __attribute__((target("avx512f,avx512bw"))) inline void round_bf16(const float* 
   for (; i < n; ++i) dst[i] = to_bf16(src[i]);
 }
 
+// to_bf16 eight at a time, as eight 16-bit words.
+__attribute__((target("avx2"))) inline __m128i bf16x8(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0xffff), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+
+__attribute__((target("avx2"))) inline void round_bf16_avx2(const float* src, c10::BFloat16* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), bf16x8(_mm256_loadu_ps(src + i)));
+  for (; i < n; ++i) dst[i] = to_bf16(src[i]);
+}
+
 inline float widen(float x) { return x; }
 inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float widen(c10::Half x) { return static_cast<float>(x); }

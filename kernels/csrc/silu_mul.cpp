@@ -18,6 +18,7 @@
 
 namespace {
 
+using logdiff::bf16x8;
 using logdiff::has_avx2;
 using logdiff::has_avx512;
 using logdiff::narrow;
@@ -108,14 +109,8 @@ __attribute__((target("avx2,f16c"))) inline __m256 load8(const c10::Half* p) {
 }
 
 __attribute__((target("avx2"))) inline void store8(__m256 x, float* out) { _mm256_storeu_ps(out, x); }
-// to_bf16 eight at a time: to nearest even, any NaN as 0xffff.
 __attribute__((target("avx2"))) inline void store8(__m256 x, c10::BFloat16* out) {
-  const __m256i u = _mm256_castps_si256(x);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0xffff), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), bf16x8(x));
 }
 // fp16 through c10::Half's own rounding (its NaN is not F16C's).
 __attribute__((target("avx2"))) inline void store8(__m256 x, c10::Half* out) {
