@@ -52,7 +52,7 @@ enum Tier : int64_t { PORTABLE = 0, AVX2 = 1, AVX512 = 2, AVX512_BF16 = 3, AMX_B
 // keep a packed B block of KC x NC in L2. The FMA tiers sweep a thread's consecutive N blocks as one, an A block
 // of MC x KC_FMA in L2 (fp32) against a packed B block of KC_FMA x SWEEP (in L3, 2 MB of bf16), one panel of
 // which stays in L1 while the A block's panels pass: bf16 M 1024 K 1024 N 3072 on a Zen 3, one core, 72-81 GFLOP/s
-// with a KC x NC block swept row panel by row panel, 89-93 like this (MKL's fp32 sgemm: 89-94).
+// with a KC x NC block swept row panel by row panel, 89-93 like this (MKL's fp32 sgemm: 89-95).
 constexpr int64_t KC = 256;
 constexpr int64_t NC = 256;
 constexpr int64_t KC_FMA = 512;
@@ -180,7 +180,8 @@ void pack_rows_in_panels(const TB* b, int64_t rs, int64_t kc, int64_t nc, TB* ou
     const int64_t rows = std::min(ROWS, kc - k0);
     // a constant size, so that the compiler moves it in registers rather than calling memcpy
     for (int64_t n = 0; n < whole; n += WIDTH)
-      for (int64_t k = k0; k < k0 + rows; ++k) std::memcpy(out + n * kc + k * WIDTH, b + k * rs + n, WIDTH * sizeof(TB));
+      for (int64_t k = k0; k < k0 + rows; ++k)
+        std::memcpy(out + n * kc + k * WIDTH, b + k * rs + n, WIDTH * sizeof(TB));
     if (whole < nc)
       for (int64_t k = k0; k < k0 + rows; ++k)
         std::memcpy(out + whole * kc + k * WIDTH, b + k * rs + whole, (nc - whole) * sizeof(TB));
@@ -192,8 +193,9 @@ void pack_rows_in_panels(const TB* b, int64_t rs, int64_t kc, int64_t nc, TB* ou
 template <typename TB>
 void pack_b(const TB* b, int64_t rs, int64_t cs, int64_t kc, int64_t nc, int64_t width, TB* out) {
   const int64_t whole = nc / width * width;
+  TB* last_panel = out + whole * kc;
   if (whole < nc)
-    for (int64_t k = 0; k < kc; ++k) std::fill(out + whole * kc + k * width + (nc - whole), out + whole * kc + (k + 1) * width, TB(0.0f));
+    for (int64_t k = 0; k < kc; ++k) std::fill(last_panel + k * width + (nc - whole), last_panel + (k + 1) * width, TB(0.0f));
   if (cs == 1) {  // packed only for a vector tier (the portable one reads such a B in place)
     if (width == 16) return pack_rows_in_panels<TB, 16>(b, rs, kc, nc, out);
     return pack_rows_in_panels<TB, 64>(b, rs, kc, nc, out);
@@ -489,8 +491,9 @@ void gemm(Tier tier, Strided a, Strided bm, int64_t batch, int64_t M, int64_t N,
       float* c_base = out.acc + bi * M * N;
       // B is read in place when its columns are contiguous and whole panels and its rows at most 1 KB apart;
       // otherwise packed. A panel walking down rows further apart reaches a new page every few k (every k at
-      // N 16384): bf16 on a Zen 3, M 64 K 512 N 16384 one core 48 GFLOP/s in place vs 66 packed, M 1024 K 1024
-      // N 2048 two cores 101 vs 139; N 384 (768 B apart), one core 81 vs 72.
+      // N 16384): bf16 on a Zen 3, measured with the row-panel blocking before the sweep, M 64 K 512 N 16384 one
+      // core 48 GFLOP/s in place vs 66 packed, M 1024 K 1024 N 2048 two cores 101 vs 139; N 384 (768 B apart),
+      // one core 81 vs 72.
       const bool in_place = bm.col == 1 && (tier == PORTABLE || (nc % width == 0 && bm.row * int64_t(sizeof(TB)) <= 1024));
       for (int64_t k0 = 0; k0 < K; k0 += KC_FMA) {
         const int64_t kc = std::min(KC_FMA, K - k0);
