@@ -78,8 +78,7 @@ struct Output {
   float* total = nullptr;
   void* rounded = nullptr;
   at::ScalarType dtype = at::kFloat;
-  bool avx512 = false;
-  bool avx2 = false;
+  Tier tier = PORTABLE;  // the widest rounding it may use
   bool transposed = false;
 
   void finish(int64_t bi, int64_t M, int64_t N, int64_t m_lo, int64_t m_hi, int64_t n0, int64_t nc) const {
@@ -103,8 +102,8 @@ struct Output {
       std::copy(src, src + n, static_cast<float*>(rounded) + at);
     } else if (dtype == at::kBFloat16) {
       auto* dst = static_cast<c10::BFloat16*>(rounded) + at;
-      if (avx512) round_bf16(src, dst, n);
-      else if (avx2) round_bf16_avx2(src, dst, n);
+      if (tier >= AVX512) round_bf16(src, dst, n);
+      else if (tier >= AVX2) round_bf16_avx2(src, dst, n);
       else
         for (int64_t q = 0; q < n; ++q) dst[q] = to_bf16(src[q]);
     } else {
@@ -1165,8 +1164,7 @@ class Result {
     TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
                 "logdiff mm: the result must be float32, bfloat16 or float16, got ", dtype);
     out_.dtype = dtype;
-    out_.avx512 = tier >= AVX512;
-    out_.avx2 = tier >= AVX2;
+    out_.tier = tier;
     if (dtype == at::kFloat) {
       out_.acc = static_cast<float*>(result);
       return;
@@ -1220,7 +1218,8 @@ void run_into(void* out, at::ScalarType dtype, Tier t, Strided sa, at::ScalarTyp
     at::Tensor own;
     // AVX512-BF16's tasks keep their blocks of C^T in buffers of their own (acc null)
     float* acc = t == AMX_BF16 ? accumulators(kept, own, batch * M * N) : nullptr;
-    Output o{acc, nullptr, out, dtype, true, true};
+    Output o{acc, nullptr, out, dtype, t};
+    o.transposed = true;
     run(t, {sb.data, sb.batch, sb.col, sb.row}, tb, {sa.data, sa.batch, sa.col, sa.row}, ta, batch, N, M, K, o);
     return;
   }
