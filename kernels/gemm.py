@@ -61,8 +61,8 @@ def extension():
     return torch.ops.logdiff
 
 
-def _build_and_load(library: Path) -> None:
-    """Compiles in a folder of this process's own, loads the result, then renames it into the cache: a
+def _build_and_load(library: Path, sources: tuple[Path, ...] = SOURCES) -> None:
+    """Compiles `sources` in a folder of this process's own, loads the result, then renames it into the cache: a
     build that was killed leaves no lock or half-written library behind, and two processes building at
     once each finish."""
     from torch.utils import cpp_extension
@@ -76,7 +76,7 @@ def _build_and_load(library: Path) -> None:
     build = Path(tempfile.mkdtemp(prefix=".build-", dir=library.parent))
     print(f"logdiff: compiling the fixed-order GEMM into {library.parent} (once; up to about two minutes)", flush=True)
     try:
-        cpp_extension.load(name="logdiff_gemm", sources=[str(path) for path in SOURCES], build_directory=str(build),
+        cpp_extension.load(name="logdiff_gemm", sources=[str(path) for path in sources], build_directory=str(build),
                            extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except (RuntimeError, OSError) as e:
         log = library.parent / "build.log"
