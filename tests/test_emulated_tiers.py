@@ -27,4 +27,4 @@ def test_the_tiers_this_cpu_lacks_pass_the_gemm_tests_emulated():
     assert "this build runs portable, avx2, avx512, avx512-bf16, amx-bf16" in out.stdout, log
     # every tier runs in that build, so no tier's test may skip; the tests that are not parametrized by tier run on
     # its fastest tiers, avx512 and amx-bf16
-    assert re.search(r"^\d+ passed in ", out.stdout, re.MULTILINE), log
+    assert re.search(r"^\d+ passed, 2 deselected in ", out.stdout, re.MULTILINE), log
