@@ -20,7 +20,6 @@ struct emu_m512i {
   union {
     int32_t i[16];
     uint32_t u[16];
-    int64_t q[8];
     uint16_t h[32];
   };
 };
@@ -126,40 +125,26 @@ inline __m256i emu_mm512_cvtepi32_epi16(emu_m512i v) {  // truncates, as vpmovdw
 }
 
 // ---- permutes; the unpacks and shuffle_ps work within each 128-bit lane
-inline emu_m512i emu_mm512_unpacklo_epi16(emu_m512i a, emu_m512i b) {
-  emu_m512i r;
+// Each 128-bit lane: the low (or high) half of a's and of b's elements there, interleaved, a's first.
+template <typename Elem>
+inline emu_m512i emu_unpack(emu_m512i a, emu_m512i b, bool high) {
+  constexpr int PER_LANE = 16 / sizeof(Elem), HALF = PER_LANE / 2;
+  using Elems = std::array<Elem, 64 / sizeof(Elem)>;
+  const auto x = emu_bits<Elems>(a), y = emu_bits<Elems>(b);
+  Elems r;
   for (int l = 0; l < 4; ++l)
-    for (int i = 0; i < 4; ++i) r.h[8 * l + 2 * i] = a.h[8 * l + i], r.h[8 * l + 2 * i + 1] = b.h[8 * l + i];
-  return r;
+    for (int i = 0; i < HALF; ++i) {
+      r[l * PER_LANE + 2 * i] = x[l * PER_LANE + high * HALF + i];
+      r[l * PER_LANE + 2 * i + 1] = y[l * PER_LANE + high * HALF + i];
+    }
+  return emu_bits<emu_m512i>(r);
 }
-inline emu_m512i emu_mm512_unpackhi_epi16(emu_m512i a, emu_m512i b) {
-  emu_m512i r;
-  for (int l = 0; l < 4; ++l)
-    for (int i = 0; i < 4; ++i) r.h[8 * l + 2 * i] = a.h[8 * l + 4 + i], r.h[8 * l + 2 * i + 1] = b.h[8 * l + 4 + i];
-  return r;
-}
-inline emu_m512i emu_mm512_unpacklo_epi32(emu_m512i a, emu_m512i b) {
-  emu_m512i r;
-  for (int l = 0; l < 4; ++l)
-    for (int i = 0; i < 2; ++i) r.u[4 * l + 2 * i] = a.u[4 * l + i], r.u[4 * l + 2 * i + 1] = b.u[4 * l + i];
-  return r;
-}
-inline emu_m512i emu_mm512_unpackhi_epi32(emu_m512i a, emu_m512i b) {
-  emu_m512i r;
-  for (int l = 0; l < 4; ++l)
-    for (int i = 0; i < 2; ++i) r.u[4 * l + 2 * i] = a.u[4 * l + 2 + i], r.u[4 * l + 2 * i + 1] = b.u[4 * l + 2 + i];
-  return r;
-}
-inline emu_m512i emu_mm512_unpacklo_epi64(emu_m512i a, emu_m512i b) {
-  emu_m512i r;
-  for (int l = 0; l < 4; ++l) r.q[2 * l] = a.q[2 * l], r.q[2 * l + 1] = b.q[2 * l];
-  return r;
-}
-inline emu_m512i emu_mm512_unpackhi_epi64(emu_m512i a, emu_m512i b) {
-  emu_m512i r;
-  for (int l = 0; l < 4; ++l) r.q[2 * l] = a.q[2 * l + 1], r.q[2 * l + 1] = b.q[2 * l + 1];
-  return r;
-}
+inline emu_m512i emu_mm512_unpacklo_epi16(emu_m512i a, emu_m512i b) { return emu_unpack<uint16_t>(a, b, false); }
+inline emu_m512i emu_mm512_unpackhi_epi16(emu_m512i a, emu_m512i b) { return emu_unpack<uint16_t>(a, b, true); }
+inline emu_m512i emu_mm512_unpacklo_epi32(emu_m512i a, emu_m512i b) { return emu_unpack<uint32_t>(a, b, false); }
+inline emu_m512i emu_mm512_unpackhi_epi32(emu_m512i a, emu_m512i b) { return emu_unpack<uint32_t>(a, b, true); }
+inline emu_m512i emu_mm512_unpacklo_epi64(emu_m512i a, emu_m512i b) { return emu_unpack<uint64_t>(a, b, false); }
+inline emu_m512i emu_mm512_unpackhi_epi64(emu_m512i a, emu_m512i b) { return emu_unpack<uint64_t>(a, b, true); }
 inline emu_m512 emu_mm512_unpacklo_ps(emu_m512 a, emu_m512 b) {
   return emu_mm512_castsi512_ps(emu_mm512_unpacklo_epi32(emu_mm512_castps_si512(a), emu_mm512_castps_si512(b)));
 }
