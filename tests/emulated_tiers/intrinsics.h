@@ -24,12 +24,17 @@ struct emu_m512i {
   };
 };
 
+template <typename V>
+inline V emu_load(const void* p) {
+  V r;
+  std::memcpy(&r, p, sizeof(r));
+  return r;
+}
+
 template <typename To, typename From>
 inline To emu_bits(const From& v) {
   static_assert(sizeof(To) == sizeof(From));
-  To r;
-  std::memcpy(&r, &v, sizeof(r));
-  return r;
+  return emu_load<To>(&v);
 }
 
 inline float emu_widen_bf16(uint16_t h) { return emu_bits<float>(uint32_t(h) << 16); }
@@ -41,12 +46,8 @@ inline emu_m512 emu_mm512_set1_ps(float x) {
   for (float& f : r.f) f = x;
   return r;
 }
-inline emu_m512 emu_mm512_loadu_ps(const void* p) {
-  emu_m512 r;
-  std::memcpy(&r, p, 64);
-  return r;
-}
-inline void emu_mm512_storeu_ps(void* p, emu_m512 v) { std::memcpy(p, &v, 64); }
+inline emu_m512 emu_mm512_loadu_ps(const void* p) { return emu_load<emu_m512>(p); }
+inline void emu_mm512_storeu_ps(void* p, emu_m512 v) { std::memcpy(p, &v, sizeof(v)); }
 inline emu_m512 emu_mm512_fmadd_ps(emu_m512 a, emu_m512 b, emu_m512 c) {
   for (int i = 0; i < 16; ++i) c.f[i] = std::fma(a.f[i], b.f[i], c.f[i]);
   return c;
@@ -79,12 +80,8 @@ inline emu_m512i emu_mm512_setr_epi32(int a0, int a1, int a2, int a3, int a4, in
   for (int i = 0; i < 16; ++i) r.i[i] = v[i];
   return r;
 }
-inline emu_m512i emu_mm512_loadu_si512(const void* p) {
-  emu_m512i r;
-  std::memcpy(&r, p, 64);
-  return r;
-}
-inline void emu_mm512_storeu_si512(void* p, emu_m512i v) { std::memcpy(p, &v, 64); }
+inline emu_m512i emu_mm512_loadu_si512(const void* p) { return emu_load<emu_m512i>(p); }
+inline void emu_mm512_storeu_si512(void* p, emu_m512i v) { std::memcpy(p, &v, sizeof(v)); }
 inline emu_m512i emu_mm512_maskz_loadu_epi16(uint32_t k, const void* p) {  // reads only the words k selects
   emu_m512i r;
   const auto* w = static_cast<const uint16_t*>(p);
